@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Steps run on the lent H200 (device tool): bash benchmarks/h200_run.sh STEP... ; results under $OUT.
+#   smoke   one call per kernel path, errors printed
+#   tune    python -m tritonmm.tune (bf16 suite) -> $OUT/tuned.json, installed into configs/tuned/
+#   tests   pytest -m gpu
+#   bench   python -m tritonmm.bench --dtype bfloat16 -> $OUT/bench_bf16.json
+#   linear  python -m tritonmm.bench --linear -> $OUT/bench_linear.json
+#   models  examples/real_models.py -> $OUT/real_models.json
+set -uo pipefail
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+T() { local s=$1; shift; timeout "$s" "$@"; echo "[exit $? after step: $*]"; }
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case "$step" in
+    info) nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+          python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" ;;
+    smoke) T 120 python3 - <<'PY'
+import torch, tritonmm
+from tritonmm.testing import error_report
+torch.manual_seed(0)
+for dt in (torch.bfloat16, torch.float16, torch.float32):
+    for (M, N, K) in ((1000, 1000, 1000), (4095, 4097, 1023), (16, 4096, 4096), (300, 200, 100)):
+        a = torch.randn(M, K, device="cuda").to(dt); b = torch.randn(K, N, device="cuda").to(dt)
+        for k in ("tma", "pointer", "splitk"):
+            try:
+                with tritonmm.force_backend("triton", k):
+                    r = error_report(tritonmm.matmul(a, b), a, b)
+                print(dt, M, N, K, k, "ok" if r["ok"] else f"FAIL {r}", flush=True)
+            except Exception as e:
+                print(dt, M, N, K, k, "ERROR", type(e).__name__, str(e)[:300], flush=True)
+PY
+    ;;
+    tune) T "${TUNE_TIMEOUT:-330}" python3 -m tritonmm.tune --dtype bfloat16 --time-limit "${TUNE_LIMIT:-280}" \
+            --out "$OUT/tuned.json" 2>&1 | tee "$OUT/tune.log"
+          mkdir -p configs/tuned && cp "$OUT/tuned.json" configs/tuned/ 2>/dev/null ;;
+    tests) T "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \
+             tests/test_gpu.py tests/test_fuzz.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    bench) T "${BENCH_TIMEOUT:-300}" python3 -m tritonmm.bench --dtype bfloat16 --json "$OUT/bench_bf16.json" ;;
+    linear) T 200 python3 -m tritonmm.bench --linear --dtype bfloat16 --json "$OUT/bench_linear.json" ;;
+    models) T 300 python3 examples/real_models.py --json "$OUT/real_models.json" 2>&1 | tail -40 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "=== done $(date +%T)"

@@ -1,0 +1,120 @@
+"""The dispatcher's rules, its reasons, and the ways to force a backend."""
+
+import pytest
+import torch
+
+import tritonmm
+from tritonmm import dispatch
+from tritonmm.shapes import plan
+from tritonmm.testing import randn
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+    """Rules for a CUDA device, evaluated on CPU-built plans: an sm_90 GPU with 132 SMs, no tuned table."""
+    monkeypatch.setattr(dispatch, "_has_tma", lambda device: True)
+    monkeypatch.setattr(dispatch, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(dispatch._tuned, "lookup", lambda device, dtype, p: None)
+
+
+def decide_cuda(a, b):
+    return dispatch.decide(plan(a, b), a.dtype, CUDA)
+
+
+def test_cpu_without_interpreter_goes_to_torch(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    a, b = randn(64, 64), randn(64, 64)
+    d = tritonmm.explain(a, b)
+    assert d.backend == "torch" and "CPU" in d.reason
+    torch.testing.assert_close(tritonmm.matmul(a, b), torch.matmul(a, b))
+
+
+@pytest.mark.interpreter
+def test_cpu_under_interpreter_takes_triton():
+    d = tritonmm.explain(randn(64, 64), randn(64, 64))
+    assert d.backend == "triton" and "TRITON_INTERPRET" in d.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.complex64])
+def test_unsupported_dtypes_served_by_torch(dtype):
+    a = (torch.randn(5, 7) * 10).to(dtype)
+    b = (torch.randn(7, 3) * 10).to(dtype)
+    with tritonmm.force_backend("triton"):  # forcing cannot override a capability rule
+        d = tritonmm.explain(a, b)
+        out = tritonmm.matmul(a, b)
+    assert d.backend == "torch" and str(dtype) in d.reason
+    assert out.dtype == dtype
+    assert torch.equal(out, torch.matmul(a, b))
+
+
+def test_forced_torch_and_env(monkeypatch):
+    a, b = randn(64, 64), randn(64, 64)
+    with tritonmm.force_backend("cublas"):
+        assert tritonmm.explain(a, b).backend == "torch"
+    monkeypatch.setenv("TRITONMM_BACKEND", "torch")
+    assert tritonmm.explain(a, b).backend == "torch"
+    with tritonmm.force_backend("auto"):  # the context manager wins over the environment
+        assert tritonmm.explain(a, b).reason != "backend forced to torch"
+
+
+def test_env_kernel(monkeypatch):
+    monkeypatch.setenv("TRITONMM_BACKEND", "triton")
+    monkeypatch.setenv("TRITONMM_KERNEL", "pointer")
+    d = tritonmm.explain(randn(64, 64), randn(64, 64))
+    assert (d.backend, d.kernel) == ("triton", "pointer")
+
+
+def test_empty_problems_never_launch():
+    for sa, sb in [((0, 5), (5, 3)), ((4, 0), (0, 3)), ((0, 4, 5), (5, 2))]:
+        d = tritonmm.explain(randn(*sa), randn(*sb))
+        assert d.kernel == "none"
+
+
+def test_tiny_problems_go_to_cublas(fake_hopper):
+    d = decide_cuda(randn(16, 64, dtype=torch.bfloat16), randn(64, 64, dtype=torch.bfloat16))
+    assert d.backend == "torch" and "too small" in d.reason
+
+
+def test_fp32_follows_torch_precision(fake_hopper):
+    a, b = randn(512, 512), randn(512, 512)
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        d = decide_cuda(a, b)
+        assert d.backend == "torch" and "TF32" in d.reason
+        torch.set_float32_matmul_precision("high")
+        assert decide_cuda(a, b).backend == "triton"
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def test_kernel_rules_on_hopper(fake_hopper):
+    bf = torch.bfloat16
+    d = decide_cuda(randn(1024, 1024, dtype=bf), randn(1024, 1024, dtype=bf))
+    assert (d.backend, d.kernel, d.copies) == ("triton", "tma", ())
+    d = decide_cuda(randn(1023, 1023, dtype=bf), randn(1023, 1023, dtype=bf))  # unaligned rows: copied
+    assert d.kernel == "tma" and d.copies == ("a", "b")
+    d = decide_cuda(randn(200, 201, dtype=bf), randn(201, 200, dtype=bf))  # unaligned and small: pointer
+    assert d.kernel == "pointer"
+    d = decide_cuda(randn(16, 4096, dtype=bf), randn(4096, 4096, dtype=bf))  # decode, few tiles: split-K
+    assert d.kernel == "splitk"
+    d = decide_cuda(randn(16, 4096, dtype=bf), randn(4096, 28672, dtype=bf))  # decode, many tiles
+    assert d.kernel == "pointer"
+    d = decide_cuda(randn(8, 256, 256, dtype=bf), randn(8, 256, 256, dtype=bf))
+    assert d.backend == "torch" and "batched" in d.reason
+    w = randn(4096, 2048, dtype=bf)  # nn.Linear weight (N, K), read transposed in place
+    d = decide_cuda(randn(512, 2048, dtype=bf), w.t())
+    assert d.kernel == "tma" and d.copies == ()
+
+
+def test_no_tma_before_hopper(fake_hopper, monkeypatch):
+    monkeypatch.setattr(dispatch, "_has_tma", lambda device: False)
+    d = decide_cuda(randn(1024, 1024, dtype=torch.half), randn(1024, 1024, dtype=torch.half))
+    assert d.kernel == "pointer"
+
+
+def test_decision_str_names_backend_and_reason():
+    s = str(dispatch.Decision("torch", None, "because"))
+    assert "cuBLAS" in s and "because" in s

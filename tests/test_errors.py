@@ -1,0 +1,106 @@
+"""Bad input: the exception type torch.matmul / F.linear raise, with a message naming both sides."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritonmm
+from tritonmm.testing import randn
+
+
+def _same_error(fn_tri, fn_ref):
+    with pytest.raises(Exception) as ref:
+        fn_ref()
+    with pytest.raises(type(ref.value)) as tri:
+        fn_tri()
+    return str(tri.value)
+
+
+@pytest.mark.parametrize(
+    "sa,sb",
+    [((3, 4), (5, 6)), ((4,), (5,)), ((2, 3, 4), (5, 6)), ((3, 4), (2, 5, 6)), ((7,), (8, 2)), ((2, 3), (4,))],
+    ids=str,
+)
+def test_inner_dim_mismatch(sa, sb):
+    a, b = randn(*sa), randn(*sb)
+    msg = _same_error(lambda: tritonmm.matmul(a, b), lambda: torch.matmul(a, b))
+    assert str(tuple(sa)) in msg and str(tuple(sb)) in msg
+
+
+def test_batch_not_broadcastable():
+    a, b = randn(2, 3, 4), randn(3, 4, 5)
+    msg = _same_error(lambda: tritonmm.matmul(a, b), lambda: torch.matmul(a, b))
+    assert "(2, 3, 4)" in msg and "(3, 4, 5)" in msg
+
+
+def test_zero_dim():
+    a, b = torch.tensor(2.0), randn(3)
+    msg = _same_error(lambda: tritonmm.matmul(a, b), lambda: torch.matmul(a, b))
+    assert "0D" in msg
+
+
+@pytest.mark.parametrize("da,db", [(torch.float32, torch.bfloat16), (torch.float16, torch.float32),
+                                   (torch.float32, torch.float64)])
+def test_mixed_dtypes_no_promotion(da, db):
+    a, b = randn(3, 4, dtype=da), randn(4, 5, dtype=db)
+    msg = _same_error(lambda: tritonmm.matmul(a, b), lambda: torch.matmul(a, b))
+    assert str(da) in msg and str(db) in msg
+
+
+def test_mixed_devices():
+    a = randn(3, 4)
+    b = randn(4, 5, device="meta")
+    with pytest.raises(RuntimeError, match="cpu.*meta|meta.*cpu"):
+        tritonmm.matmul(a, b)
+
+
+@pytest.mark.parametrize("args", [(1, "t"), ("t", 2.0), ([1.0], "t")], ids=str)
+def test_non_tensor_arguments(args):
+    t = randn(3, 3)
+    a, b = (t if x == "t" else x for x in args)
+    _same_error(lambda: tritonmm.matmul(a, b), lambda: torch.matmul(a, b))
+
+
+def test_linear_errors():
+    x, w, b = randn(4, 8), randn(6, 8), randn(6)
+    _same_error(lambda: tritonmm.linear(x, randn(6, 7)), lambda: F.linear(x, randn(6, 7)))
+    _same_error(lambda: tritonmm.linear(x, w.half()), lambda: F.linear(x, w.half()))
+    with pytest.raises(RuntimeError, match="bias"):
+        tritonmm.linear(x, w, b.double())
+    with pytest.raises(RuntimeError, match="bias"):
+        tritonmm.linear(x, w, randn(5))
+    with pytest.raises(ValueError, match="activation"):
+        tritonmm.linear(x, w, b, activation="tanh")
+    with pytest.raises(TypeError):
+        tritonmm.linear(x, 3)
+
+
+def test_inputs_untouched_on_error():
+    a, b = randn(3, 4), randn(5, 6)
+    a0, b0 = a.clone(), b.clone()
+    with pytest.raises(RuntimeError):
+        tritonmm.matmul(a, b)
+    assert torch.equal(a, a0) and torch.equal(b, b0)
+
+
+@pytest.mark.parametrize("var,value", [("TRITONMM_BACKEND", "fast"), ("TRITONMM_KERNEL", "wgmma"),
+                                       ("TRITONMM_AUTOTUNE", "maybe")])
+def test_bad_environment_values_name_the_variable(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    a, b = randn(8, 8), randn(8, 8)
+    with pytest.raises(ValueError, match=var):
+        if var == "TRITONMM_AUTOTUNE":
+            from tritonmm._env import autotune_enabled
+
+            autotune_enabled()
+        else:
+            tritonmm.explain(a, b)
+
+
+def test_force_backend_rejects_unknown():
+    with pytest.raises(ValueError):
+        with tritonmm.force_backend("numpy"):
+            pass
+    with pytest.raises(ValueError):
+        with tritonmm.force_backend("triton", "wgmma"):
+            pass

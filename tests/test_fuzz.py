@@ -1,0 +1,103 @@
+"""Hypothesis shape-fuzzing of tritonmm.matmul against a float64 reference (and torch.matmul's own error).
+
+CPU (interpreter): dims 0..~300, every kernel. GPU (`-m gpu`): dims up to 4096, every kernel
+and the automatic dispatch, float16 / bfloat16 / float32.
+"""
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+import tritonmm
+from tritonmm.testing import assert_matches_reference, randn
+
+SMALL_PRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 31, 37, 61, 67, 97, 127, 131, 257]
+
+
+def dims(max_dim: int):
+    """Dims biased to 0/1, primes and non-multiples of 16, with occasional large values."""
+    odd = st.integers(1, max_dim).filter(lambda d: d % 16 != 0)
+    return st.one_of(
+        st.sampled_from([0, 1]),
+        st.sampled_from([p for p in SMALL_PRIMES if p <= max_dim]),
+        odd,
+        st.integers(0, max_dim),
+    )
+
+
+LAYOUTS = ["N", "T", "sliced", "offset"]
+
+
+def make_operand(rows: int, cols: int, layout: str, dtype, device, batch=()):
+    """A (*batch, rows, cols) operand in the given memory layout, filled with N(0, 1)."""
+    if layout == "N":
+        return randn(*batch, rows, cols, dtype=dtype, device=device)
+    if layout == "T":
+        return randn(*batch, cols, rows, dtype=dtype, device=device).mT
+    if layout == "sliced":  # every other row, columns from an offset: storage offset + strides > cols
+        return randn(*batch, 2 * rows, cols + 3, dtype=dtype, device=device)[..., ::2, 3:]
+    n = max(1, rows * cols)
+    flat = randn(*batch, n + 7, dtype=dtype, device=device)[..., 7:]  # unaligned storage offset
+    return flat.reshape(*batch, n)[..., : rows * cols].reshape(*batch, rows, cols)
+
+
+@st.composite
+def problems(draw, max_dim, max_batch, max_k=None):
+    M, N, K = draw(dims(max_dim)), draw(dims(max_dim)), draw(dims(max_k or max_dim))
+    kind = draw(st.sampled_from(["2d", "2d", "2d", "vec-mat", "mat-vec", "dot", "batched", "broadcast"]))
+    la, lb = draw(st.sampled_from(LAYOUTS)), draw(st.sampled_from(LAYOUTS))
+    batch_a = batch_b = ()
+    if kind == "batched":
+        nb = draw(st.integers(1, max_batch))
+        batch_a = batch_b = (nb,)
+    elif kind == "broadcast":
+        nb = draw(st.integers(2, max_batch))
+        batch_a, batch_b = draw(st.sampled_from([((nb, 1), (3,)), ((nb,), ()), ((), (nb,)), ((1, 2), (nb, 1))]))
+    return kind, M, N, K, la, lb, batch_a, batch_b
+
+
+def build(kind, M, N, K, la, lb, batch_a, batch_b, dtype, device):
+    if kind == "dot":
+        return randn(K, dtype=dtype, device=device), randn(K, dtype=dtype, device=device)
+    if kind == "vec-mat":
+        return randn(K, dtype=dtype, device=device), make_operand(K, N, lb, dtype, device)
+    if kind == "mat-vec":
+        return make_operand(M, K, la, dtype, device), randn(K, dtype=dtype, device=device)
+    return make_operand(M, K, la, dtype, device, batch_a), make_operand(K, N, lb, dtype, device, batch_b)
+
+
+def run_case(case, dtype, device, backend, kernel):
+    a, b = build(*case, dtype, device)
+    a0, b0 = a.clone(), b.clone()
+    with tritonmm.force_backend(backend, kernel):
+        decision = tritonmm.explain(a, b)
+        tri = tritonmm.matmul(a, b)
+    note(f"case={case} {dtype} -> {decision}")
+    ref = torch.matmul(a, b)
+    assert tri.shape == ref.shape and tri.dtype == ref.dtype and tri.is_contiguous()
+    if backend == "triton":
+        assert decision.backend == "triton", str(decision)
+    assert_matches_reference(tri, a, b, what=str(decision))
+    assert torch.equal(a, a0) and torch.equal(b, b0)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kernel", ["tma", "pointer", "splitk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+@given(case=problems(max_dim=160, max_batch=3, max_k=320))
+def test_fuzz_interpreter(case, dtype, kernel):
+    run_case(case, dtype, torch.device("cpu"), "triton", kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,kernel", [("triton", "tma"), ("triton", "pointer"), ("triton", "splitk"),
+                                            ("auto", "auto")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d)[6:])
+@given(case=problems(max_dim=4096, max_batch=4))
+def test_fuzz_gpu(case, dtype, backend, kernel, monkeypatch):
+    monkeypatch.setenv("TRITONMM_AUTOTUNE", "0")  # heuristic configs: fuzz the kernels, not the tuner
+    kind, M, N, K, *_ = case
+    if M * N * K > 2**31:  # keep one example under ~0.1 s of float64 reference work
+        case = (kind, min(M, 1024), N, min(K, 1024), *case[4:])
+    run_case(case, dtype, torch.device("cuda"), backend, kernel)

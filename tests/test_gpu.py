@@ -1,0 +1,143 @@
+"""Tests that need a CUDA GPU (run on the H200 with `-m gpu`; skipped in CI)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritonmm
+from tritonmm.kernels import configs as cfg
+from tritonmm.kernels import matmul as km
+from tritonmm.testing import assert_matches_reference, randn
+
+pytestmark = pytest.mark.gpu
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+SHAPE_FOR = {"tma": (777, 555, 333), "tma-aligned": (776, 552, 328), "pointer": (333, 257, 129),
+             "splitk": (16, 1000, 4000)}
+
+
+def _launch(kernel, a, b, config, bias=None, activation="none"):
+    M, N = a.shape[0], b.shape[1]
+    out = torch.full((M, N), float("nan"), dtype=a.dtype, device=a.device)
+    if kernel == "tma":
+        km.launch_tma(km.tma_view(a), km.tma_view(b), out, bias, activation, config)
+    else:
+        km.launch_pointer(a[None, None], b[None, None], out[None, None], bias, activation, config,
+                          split_k=kernel == "splitk")
+    return out
+
+
+@pytest.mark.parametrize("case", ["tma", "tma-aligned", "pointer", "splitk"])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+def test_every_candidate_config(case, dtype):
+    """Each shipped config compiles and computes the right answer on a masked, odd problem."""
+    kernel = case.split("-")[0]
+    M, N, K = SHAPE_FOR[case]
+    a, b = randn(M, K, dtype=dtype, device="cuda"), randn(K, N, dtype=dtype, device="cuda")
+    smem, _ = cfg.device_limits(0)
+    for config in cfg.candidates(kernel):
+        if cfg.smem_bytes(config, 2, 2, kernel) > smem:
+            continue
+        assert_matches_reference(_launch(kernel, a, b, config), a, b, what=f"{kernel} {config}")
+
+
+@pytest.mark.parametrize("kernel", ["tma", "pointer", "splitk"])
+def test_autotuned_path_and_cache(kernel, monkeypatch):
+    monkeypatch.setenv("TRITONMM_AUTOTUNE", "1")
+    M, N, K = SHAPE_FOR[kernel]
+    a, b = randn(M, K, dtype=BF16, device="cuda"), randn(K, N, dtype=BF16, device="cuda")
+    first = _launch(kernel, a, b, None)
+    assert_matches_reference(first, a, b)
+    tuner = km.autotuned(kernel)
+    n_keys = len(tuner.cache)
+    assert n_keys >= 1
+    second = _launch(kernel, a, b, None)
+    assert len(tuner.cache) == n_keys  # same bucket: no retune
+    assert torch.equal(first, second)  # the tuning call returns exactly what later calls return
+
+
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("kernel", ["tma", "pointer", "splitk"])
+def test_linear_epilogue_gpu(kernel, activation, monkeypatch):
+    monkeypatch.setenv("TRITONMM_AUTOTUNE", "0")
+    M, N, K = (48, 1000, 2048) if kernel == "splitk" else (300, 520, 264)
+    x, w, b = (randn(M, K, dtype=BF16, device="cuda"), randn(N, K, dtype=BF16, device="cuda"),
+               randn(N, dtype=BF16, device="cuda"))
+    act = {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu, "silu": F.silu,
+           "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[activation]
+    with tritonmm.force_backend("triton", kernel):
+        out = tritonmm.linear(x, w, b, activation)
+    assert_matches_reference(out, x, w, ref_fn=lambda x_, w_: act(F.linear(x_, w_, b.double())),
+                             torch_fn=lambda x_, w_: act(F.linear(x_, w_, b)), contract=F.linear, what=f"{kernel} {activation}")
+
+
+def test_dispatch_on_the_gpu():
+    big = randn(4096, 4096, dtype=BF16, device="cuda")
+    d = tritonmm.explain(big, big)
+    assert d.backend == "torch" or d.kernel == "tma", str(d)
+    with tritonmm.force_backend("triton"):
+        assert tritonmm.explain(big, big).kernel == "tma"
+        assert tritonmm.explain(randn(4095, 4095, dtype=BF16, device="cuda"),
+                                randn(4095, 4095, dtype=BF16, device="cuda")).copies == ("a", "b")
+    small = randn(8, 8, dtype=BF16, device="cuda")
+    assert tritonmm.explain(small, small).backend == "torch"
+
+
+def test_float32_follows_tf32_setting(monkeypatch):
+    monkeypatch.setenv("TRITONMM_AUTOTUNE", "0")
+    a, b = randn(1024, 512, device="cuda"), randn(512, 768, device="cuda")
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        with tritonmm.force_backend("triton"):
+            assert tritonmm.explain(a, b).backend == "torch"
+            exact = tritonmm.matmul(a, b)
+        assert_matches_reference(exact, a, b)  # full fp32: bound uses the fp32 rounding unit
+        torch.set_float32_matmul_precision("high")
+        with tritonmm.force_backend("triton"):
+            assert tritonmm.explain(a, b).backend == "triton"
+            tf32 = tritonmm.matmul(a, b)
+        assert_matches_reference(tf32, a, b)
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def test_output_past_2_31_elements(monkeypatch):
+    """64-bit offsets: a 70000 x 40000 output (2.8e9 elements); the far end is checked exactly."""
+    monkeypatch.setenv("TRITONMM_AUTOTUNE", "0")
+    M, N, K = 70000, 40000, 32
+    a, b = randn(M, K, dtype=BF16, device="cuda"), randn(K, N, dtype=BF16, device="cuda")
+    with tritonmm.force_backend("triton", "pointer"):
+        out = tritonmm.matmul(a, b)
+    rows = slice(M - 64, M)
+    assert_matches_reference(out[rows], a[rows], b)
+    assert_matches_reference(out[:64, -64:], a[:64], b[:, -64:])
+    del out
+    torch.cuda.empty_cache()
+
+
+def test_compile_and_opcheck_on_cuda():
+    x, w = randn(256, 512, dtype=BF16, device="cuda"), randn(1024, 512, dtype=BF16, device="cuda")
+
+    def f(x, w):
+        return tritonmm.linear(tritonmm.matmul(x, w.t()) @ w, w, None, "gelu")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    with tritonmm.force_backend("triton"):
+        torch.testing.assert_close(compiled(x, w), f(x, w), rtol=2e-2, atol=2e-2)
+        torch.library.opcheck(torch.ops.tritonmm.matmul.default, (x.requires_grad_(), w.t()))
+        torch.library.opcheck(torch.ops.tritonmm.linear.default, (x, w, None, "silu"))
+
+
+def test_grads_on_gpu():
+    a = randn(3, 200, 300, dtype=BF16, device="cuda").requires_grad_()
+    b = randn(300, 136, dtype=BF16, device="cuda").requires_grad_()
+    with tritonmm.force_backend("triton"):
+        tritonmm.matmul(a, b).float().square().sum().backward()
+    ga, gb = a.grad, b.grad
+    a.grad = b.grad = None
+    torch.matmul(a.double(), b.double()).square().sum().backward()
+    for got, want in ((ga, a.grad), (gb, b.grad)):
+        rel = (got.double() - want.double()).norm() / want.double().norm()
+        assert rel < 2e-2, rel

@@ -1,0 +1,153 @@
+"""tritonmm.linear: F.linear semantics with a fused bias + activation epilogue, autograd and autocast."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritonmm
+from tritonmm import ops
+from tritonmm.testing import assert_matches_reference, randn
+
+pytestmark = pytest.mark.interpreter
+
+ACTS = ["none", "relu", "gelu", "gelu_tanh", "silu"]
+
+
+def act_ref(y, activation):
+    return {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu, "silu": F.silu,
+            "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[activation](y)
+
+
+def torch_linear(x, w, b, activation):
+    return act_ref(F.linear(x, w, b), activation)
+
+
+X_CASES = {
+    "1d": lambda K: randn(K),
+    "2d": lambda K: randn(7, K),
+    "3d": lambda K: randn(2, 5, K),
+    "4d": lambda K: randn(2, 3, 4, K),
+    "transposed-3d": lambda K: randn(5, 2, K).transpose(0, 1),  # cannot be viewed as 2-D
+    "sliced": lambda K: randn(9, 2 * K)[::2, ::2],
+    "empty": lambda K: randn(0, K),
+}
+
+
+@pytest.mark.parametrize("kernel", ["tma", "pointer", "splitk"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("xcase", list(X_CASES))
+def test_leading_shapes(xcase, bias, kernel):
+    K, N = 40, 24
+    x = X_CASES[xcase](K)
+    w = randn(N, K)
+    b = randn(N) if bias else None
+    with tritonmm.force_backend("triton", kernel):
+        out = tritonmm.linear(x, w, b)
+    ref = F.linear(x, w, b)
+    assert out.shape == ref.shape and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("kernel", ["tma", "pointer", "splitk"])
+def test_fused_activation_values(activation, dtype, kernel):
+    x, w, b = randn(37, 48, dtype=dtype), randn(29, 48, dtype=dtype), randn(29, dtype=dtype)
+    with tritonmm.force_backend("triton", kernel):
+        out = tritonmm.linear(x, w, b, activation)
+    assert out.dtype == dtype
+    assert_matches_reference(
+        out, x, w,
+        ref_fn=lambda x_, w_: act_ref(F.linear(x_, w_, b.double()), activation),
+        torch_fn=lambda x_, w_: torch_linear(x_, w_, b, activation), contract=F.linear,
+        what=f"linear+{activation}",
+    )
+
+
+def test_epilogue_is_fused(monkeypatch):
+    """One kernel launch; no separate bias or activation pass over the output."""
+    from tritonmm.kernels import matmul as km
+
+    launches = []
+    for name in ("launch_tma", "launch_pointer"):
+        orig = getattr(km, name)
+        monkeypatch.setattr(km, name, lambda *a, _o=orig, **k: launches.append(1) or _o(*a, **k))
+
+    def no_torch_activation(*args, **kwargs):
+        raise AssertionError("activation ran outside the kernel")
+
+    monkeypatch.setattr(ops, "_apply_activation", no_torch_activation)
+    x, w, b = randn(32, 48), randn(16, 48), randn(16)
+    with tritonmm.force_backend("triton", "tma"):
+        out = tritonmm.linear(x, w, b, "gelu")
+    assert len(launches) == 1
+    torch.testing.assert_close(out, F.gelu(F.linear(x, w, b)), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_views_read_in_place():
+    K, N = 48, 20
+    x = randn(11, K)
+    w_big = randn(2 * N, K + 8)
+    w = w_big[::2, 8:]  # non-contiguous (N, K) view
+    b = randn(2 * N)[::2]  # strided bias
+    w_t = randn(K, N).t()  # a transposed weight
+    with tritonmm.force_backend("triton", "pointer"):
+        torch.testing.assert_close(tritonmm.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tritonmm.linear(x, w_t), F.linear(x, w_t), rtol=1e-5, atol=1e-5)
+
+
+def test_scalar_bias_broadcasts():
+    x, w = randn(5, 8), randn(6, 8)
+    for b in (torch.tensor(0.5), torch.tensor([0.25])):
+        with tritonmm.force_backend("triton"):
+            torch.testing.assert_close(tritonmm.linear(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("xshape", [(6, 40), (2, 3, 40), (40,)], ids=str)
+def test_grads_match_f_linear(activation, bias, xshape):
+    x = randn(*xshape).requires_grad_()
+    w = randn(24, 40).requires_grad_()
+    b = randn(24).requires_grad_() if bias else None
+    g = randn(*xshape[:-1], 24)
+    with tritonmm.force_backend("triton"):
+        (tritonmm.linear(x, w, b, activation) * g).sum().backward()
+    got = [t.grad.clone() for t in (x, w, b) if t is not None]
+    for t in (x, w, b):
+        if t is not None:
+            t.grad = None
+    (torch_linear(x, w, b, activation) * g).sum().backward()
+    want = [t.grad for t in (x, w, b) if t is not None]
+    for gt, wt in zip(got, want):
+        torch.testing.assert_close(gt, wt, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_casts_like_f_linear(dtype):
+    x = randn(9, 32).requires_grad_()
+    w = randn(16, 32).requires_grad_()  # fp32 master weights
+    b = randn(16).requires_grad_()
+    with torch.autocast("cpu", dtype=dtype), tritonmm.force_backend("triton"):
+        out = tritonmm.linear(x, w, b, "relu")
+        ref = F.relu(F.linear(x, w, b))
+    assert out.dtype == ref.dtype == dtype
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+def test_autocast_matmul_and_float64_untouched():
+    a, b = randn(8, 16), randn(16, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16), tritonmm.force_backend("triton"):
+        assert tritonmm.matmul(a, b).dtype == torch.matmul(a, b).dtype == torch.bfloat16
+        a64, b64 = a.double(), b.double()
+        assert tritonmm.matmul(a64, b64).dtype == torch.float64
+
+
+def test_mixed_dtypes_outside_autocast_raise_like_f_linear():
+    x, w = randn(4, 8), randn(6, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        F.linear(x, w)
+    with pytest.raises(RuntimeError, match="dtype"):
+        tritonmm.linear(x, w)

@@ -1,0 +1,75 @@
+"""Tuned tables: choosing a winner per key, reading tables safely, and the dispatcher's use of them."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from tritonmm import dispatch, tuned
+from tritonmm.shapes import plan
+from tritonmm.testing import randn
+from tritonmm.tune import choose
+
+A = {"BLOCK_M": 16, "BLOCK_N": 64}
+B = {"BLOCK_M": 32, "BLOCK_N": 64}
+
+
+def shape(M, torch_us, times):
+    return {"M": M, "N": 64, "K": 64, "torch_us": torch_us,
+            "configs": [{"kernel": "pointer", "config": c, "us": t} for c, t in times] +
+                       [{"kernel": "pointer", "config": {"BLOCK_M": 64}, "failed": "boom"}]}
+
+
+def test_choose_best_total_normalized_time():
+    # A is best on the first shape by a little, B on the second by a lot: B wins overall
+    group = [shape(1, 10.0, [(A, 5.0), (B, 5.5)]), shape(16, 10.0, [(A, 9.0), (B, 6.0)])]
+    e = choose(group)
+    assert e["backend"] == "triton" and e["config"] == B and e["triton_us"] == 6.0
+
+
+def test_choose_cublas_when_any_shape_is_slower():
+    group = [shape(1, 10.0, [(A, 5.0)]), shape(16, 4.0, [(A, 6.0)])]
+    assert choose(group)["backend"] == "torch"
+
+
+def test_choose_nothing_ran():
+    assert choose([shape(1, 10.0, [])])["backend"] == "torch"
+
+
+def test_read_table_rejects_bad_files(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"format": tuned.FORMAT, "entries": {}}))
+    assert tuned.read_table(good) is not None
+    for name, text in [("corrupt", "{not json"), ("truncated", '{"format": 1, "entr'),
+                       ("foreign", json.dumps({"format": 99, "entries": {}})), ("list", "[1, 2]")]:
+        path = tmp_path / f"{name}.json"
+        path.write_text(text)
+        with pytest.warns(RuntimeWarning, match="ignoring tuned table"):
+            assert tuned.read_table(path) is None
+    with pytest.warns(RuntimeWarning):
+        assert tuned.read_table(tmp_path / "missing.json") is None
+
+
+def test_lookup_gives_decisions(monkeypatch):
+    a, b = randn(2048, 512, dtype=torch.bfloat16), randn(512, 1024, dtype=torch.bfloat16)
+    p = plan(a, b)
+    key = tuned.entry_key(torch.bfloat16, 2048, 1024, 512, "nn")
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_stages": 3, "num_warps": 8,
+           "EPILOGUE_SUBTILE": 0}
+    table = {key: {"backend": "triton", "kernel": "tma", "config": cfg, "triton_us": 10.0, "torch_us": 12.0}}
+    monkeypatch.setattr(tuned, "_table_for", lambda index: table)
+    cuda = torch.device("cuda", 0)
+    d = tuned.lookup(cuda, torch.bfloat16, p)
+    assert (d.backend, d.kernel, d.config) == ("triton", "tma", cfg) and "1.20x" in d.reason
+    table[key] = {**table[key], "backend": "torch"}
+    assert tuned.lookup(cuda, torch.bfloat16, p).backend == "torch"
+    assert tuned.lookup(cuda, torch.float16, p) is None  # other dtype: no entry
+    assert tuned.lookup(cuda, torch.bfloat16, plan(randn(3, 5, 5), randn(3, 5, 5))) is None  # batched
+
+
+def test_layout_tag_and_key():
+    w = randn(64, 32)
+    assert tuned.layout_tag(plan(randn(8, 32), w.t())) == "nt"
+    assert tuned.layout_tag(plan(randn(32, 8).t(), randn(32, 64))) == "tn"
+    assert tuned.entry_key(torch.bfloat16, 100, 64, 32, "nn") == "bfloat16:128:64:32:nn"

@@ -1,0 +1,34 @@
+"""tritonmm: a drop-in torch.matmul / F.linear whose GEMM is an autotuned Triton kernel.
+
+Public API (re-exports only; importing neither initialises CUDA nor reads files):
+
+* :func:`matmul` / ``torch.ops.tritonmm.matmul``: torch.matmul semantics.
+* :func:`linear` / ``torch.ops.tritonmm.linear``: F.linear with a fused bias + activation epilogue.
+* :func:`explain`: which backend a call takes, and why.
+* :func:`force_backend`: force Triton or torch.matmul (cuBLAS) inside a ``with`` block.
+* :func:`patch_linear`, :func:`unpatch_linear`, :func:`swap_linear`, :func:`unswap_linear`: nn.Linear integration.
+"""
+
+from __future__ import annotations
+
+from . import ops as _ops  # registers the torch.library ops
+from .api import explain, linear, matmul
+from .dispatch import Decision, force_backend
+from .nn import TritonLinear, patch_linear, swap_linear, unpatch_linear, unswap_linear
+
+__version__ = "0.1.0"
+ACTIVATIONS = _ops.ACTIVATIONS
+
+__all__ = [
+    "ACTIVATIONS",
+    "Decision",
+    "TritonLinear",
+    "explain",
+    "force_backend",
+    "linear",
+    "matmul",
+    "patch_linear",
+    "swap_linear",
+    "unpatch_linear",
+    "unswap_linear",
+]

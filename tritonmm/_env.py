@@ -1,0 +1,24 @@
+"""Environment switches read at call time (never at import)."""
+
+from __future__ import annotations
+
+import os
+
+
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off", "no")
+
+
+def autotune_enabled() -> bool:
+    """``TRITONMM_AUTOTUNE`` (default 1): 0 picks configs by the quantization heuristic, without benchmarking.
+
+    Raises:
+        ValueError: the variable holds something other than 0/1/true/false/on/off/yes/no.
+    """
+    raw = os.environ.get("TRITONMM_AUTOTUNE", "1").strip().lower()
+    if raw in ("1", "true", "on", "yes", ""):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"environment variable TRITONMM_AUTOTUNE={os.environ['TRITONMM_AUTOTUNE']!r} is not 0 or 1")

@@ -1,0 +1,89 @@
+"""Python entry points: thin, documented wrappers over the torch.library ops."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import dispatch, ops, shapes
+
+
+def _require_tensor(name: str, value, op: str) -> None:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"tritonmm.{op}(): argument '{name}' must be Tensor, not {type(value).__name__}")
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """Matrix product with ``torch.matmul`` semantics; the GEMM runs in an autotuned Triton kernel.
+
+    Args:
+        a (Tensor): (K,), (M, K) or (*batch_a, M, K); float16, bfloat16 or float32 for the Triton
+            path (other dtypes go to torch.matmul).
+        b (Tensor): (K,), (K, N) or (*batch_b, K, N); same dtype and device as ``a``.
+            Batch dims broadcast, stride-0 (expanded) dims included; any strides are read in place.
+
+    Returns:
+        Tensor: torch.matmul's shape (1-D operands lose their unit dim; 1-D x 1-D gives 0-D),
+        in the input dtype, contiguous. float16/bfloat16 accumulate in fp32; float32 uses TF32
+        only where torch.matmul would (CUDA, ``torch.get_float32_matmul_precision() != "highest"``).
+
+    Raises:
+        TypeError: an argument is not a Tensor.
+        RuntimeError: devices differ, dtypes differ (no promotion), an operand is 0-D,
+            inner dims differ, or batch dims do not broadcast.
+
+    Falls back to torch.matmul (cuBLAS) where :func:`explain` says so: CPU tensors (outside
+    ``TRITON_INTERPRET=1``), unsupported dtypes, fp32 without TF32, tiny problems, batched
+    GEMMs, and shapes where the tuned table measured cuBLAS faster.
+    """
+    _require_tensor("a", a, "matmul")
+    _require_tensor("b", b, "matmul")
+    return torch.ops.tritonmm.matmul(a, b)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+    """``activation(F.linear(x, weight, bias))`` as one GEMM with a fused epilogue.
+
+    Args:
+        x (Tensor): (*, K), float16/bfloat16/float32; any leading shape and strides.
+        weight (Tensor): (N, K), read in its own layout (no transpose copy).
+        bias (Tensor, optional): (N,), same dtype as x; added to the fp32 accumulator.
+        activation (str): "none", "relu", "gelu" (erf), "gelu_tanh" or "silu", applied to the
+            fp32 accumulator before the one rounding to the output dtype.
+
+    Returns:
+        Tensor: (*, N), dtype of x, contiguous.
+
+    Raises:
+        TypeError: x or weight is not a Tensor.
+        ValueError: unknown activation.
+        RuntimeError: dtypes or devices differ, weight is not 2-D, or K differs.
+
+    Under ``torch.autocast`` the inputs are cast to the autocast dtype as F.linear's are.
+    """
+    _require_tensor("x", x, "linear")
+    _require_tensor("weight", weight, "linear")
+    return torch.ops.tritonmm.linear(x, weight, bias, activation)
+
+
+def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
+    """The backend ``matmul(a, b)`` would take now, with the reason (``str()`` it to read it).
+
+    Args:
+        a, b (Tensor): as for :func:`matmul`.
+
+    Returns:
+        Decision: ``backend`` ("triton" or "torch"), ``kernel``, ``reason``, ``config``, ``copies``.
+
+    Raises:
+        Those of :func:`matmul` for invalid operands.
+    """
+    _require_tensor("a", a, "explain")
+    _require_tensor("b", b, "explain")
+    shapes.check_inputs(a, b)
+    return dispatch.decide(shapes.plan(a, b), a.dtype, a.device)
+
+
+__all__ = ["explain", "linear", "matmul", "ops"]

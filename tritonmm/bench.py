@@ -1,0 +1,287 @@
+"""Benchmark: tritonmm against torch.matmul (cuBLAS), side by side in one run.
+
+    python -m tritonmm.bench                      # public suite, every dtype it lists
+    python -m tritonmm.bench --dtype bfloat16 --json out.json --csv out.csv
+    python -m tritonmm.bench --linear             # fused linear+bias+GELU vs F.linear then F.gelu
+    python -m tritonmm.bench --tags square odd    # a subset of the suite
+
+Per shape and dtype it prints tritonmm's time (µs) and TFLOP/s after dispatch, torch.matmul's,
+their ratio (torch time / tritonmm time: above 1 means tritonmm is faster), the Triton kernel
+alone (dispatch forced to Triton) and its ratio, the backend the dispatcher chose, and whether
+the result matches a float64 reference as closely as torch.matmul's does. Times are medians of
+``triton.testing.do_bench`` (CUDA events, L2 flushed between runs), on N(0, 1) data, never zeros.
+
+Without a GPU it runs small problems through Triton's interpreter on every kernel path, checks
+them against float64 references and says that timings need a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def default_suite() -> pathlib.Path:
+    from .kernels.configs import config_dir
+
+    return config_dir() / "shapes.json"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tritonmm.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=pathlib.Path, default=None, help="suite JSON (default: the shipped public suite)")
+    p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None, help="dtypes (default: the suite's)")
+    p.add_argument("--tags", nargs="+", default=None, help="only shapes whose tag starts with one of these")
+    p.add_argument("--layout", choices=["nn", "nt"], default="nn",
+                   help="B as a (K, N) row-major matrix (nn) or as an nn.Linear weight (N, K) transposed (nt)")
+    p.add_argument("--linear", action="store_true", help="fused linear + bias + GELU vs F.linear then F.gelu")
+    p.add_argument("--no-kernel-only", action="store_true", help="skip the forced-Triton column")
+    p.add_argument("--no-check", action="store_true", help="skip the float64 correctness check")
+    p.add_argument("--rep", type=int, default=100, help="do_bench rep time in ms (default 100)")
+    p.add_argument("--json", type=pathlib.Path, help="write rows and machine facts as JSON")
+    p.add_argument("--csv", type=pathlib.Path, help="write rows as CSV")
+    return p.parse_args(argv)
+
+
+def load_suite(path: pathlib.Path, tags) -> tuple[list[dict], list[str]]:
+    data = json.loads(path.read_text())
+    shapes = [s for s in data["shapes"] if not tags or any(s["tag"].startswith(t) for t in tags)]
+    return shapes, data.get("dtypes", ["bfloat16"])
+
+
+def machine_facts() -> dict:
+    import triton
+
+    facts = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        facts.update(gpu=props.name, sms=props.multi_processor_count, capability=f"{props.major}.{props.minor}",
+                     memory_gib=round(props.total_memory / 2**30, 1))
+        try:
+            q = "clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,driver_version"
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=10).stdout.strip().splitlines()
+            facts["nvidia_smi"] = dict(zip(q.split(","), [v.strip() for v in out[0].split(",")])) if out else None
+        except (OSError, subprocess.SubprocessError):
+            facts["nvidia_smi"] = None
+    return facts
+
+
+def _bench_us(fn, rep: int) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
+
+
+def _first_call_ms(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def bench_matmul_row(shape: dict, dtype: torch.dtype, args, gen) -> dict:
+    import tritonmm
+    from tritonmm.testing import error_report
+
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    a = torch.randn(M, K, device="cuda", dtype=torch.float32, generator=gen).to(dtype)
+    if args.layout == "nt":
+        b = torch.randn(N, K, device="cuda", dtype=torch.float32, generator=gen).to(dtype).t()
+    else:
+        b = torch.randn(K, N, device="cuda", dtype=torch.float32, generator=gen).to(dtype)
+    flop = 2.0 * M * N * K
+    row = {"tag": shape["tag"], "M": M, "N": N, "K": K, "dtype": str(dtype)[6:], "layout": args.layout}
+    decision = tritonmm.explain(a, b)
+    row["backend"] = decision.backend if decision.backend == "torch" else f"triton:{decision.kernel}"
+    row["reason"] = decision.reason
+    row["first_call_ms"] = _first_call_ms(lambda: tritonmm.matmul(a, b))
+    row["torch_us"] = _bench_us(lambda: torch.matmul(a, b), args.rep)
+    row["tritonmm_us"] = _bench_us(lambda: tritonmm.matmul(a, b), args.rep)
+    if not args.no_kernel_only:
+        with tritonmm.force_backend("triton"):
+            kd = tritonmm.explain(a, b)
+            row["kernel"] = kd.kernel
+            row["kernel_first_call_ms"] = _first_call_ms(lambda: tritonmm.matmul(a, b))
+            row["kernel_us"] = _bench_us(lambda: tritonmm.matmul(a, b), args.rep)
+            if not args.no_check:
+                rep = error_report(tritonmm.matmul(a, b), a, b)
+                row.update(kernel_ok=rep["ok"], kernel_err=rep["tri_err"], torch_err=rep["torch_err"])
+    if not args.no_check:
+        rep = error_report(tritonmm.matmul(a, b), a, b)
+        row.update(ok=rep["ok"], err=rep["tri_err"], torch_err=rep["torch_err"])
+    for key in ("torch", "tritonmm", "kernel"):
+        if f"{key}_us" in row:
+            row[f"{key}_tflops"] = flop / row[f"{key}_us"] / 1e6
+    row["ratio"] = row["torch_us"] / row["tritonmm_us"]
+    if "kernel_us" in row:
+        row["kernel_ratio"] = row["torch_us"] / row["kernel_us"]
+    return row
+
+
+def bench_linear_row(shape: dict, dtype: torch.dtype, args, gen) -> dict:
+    import torch.nn.functional as F
+
+    import tritonmm
+    from tritonmm.testing import error_report
+
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
+    w = torch.randn(N, K, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(N, device="cuda", generator=gen).to(dtype)
+    row = {"tag": shape["tag"], "M": M, "N": N, "K": K, "dtype": str(dtype)[6:], "op": "linear+bias+gelu"}
+    d = tritonmm.explain(x, w.t())
+    row["backend"] = d.backend if d.backend == "torch" else f"triton:{d.kernel}"
+    row["first_call_ms"] = _first_call_ms(lambda: tritonmm.linear(x, w, bias, "gelu"))
+    row["torch_us"] = _bench_us(lambda: F.gelu(F.linear(x, w, bias)), args.rep)
+    row["tritonmm_us"] = _bench_us(lambda: tritonmm.linear(x, w, bias, "gelu"), args.rep)
+    with tritonmm.force_backend("triton"):
+        tritonmm.linear(x, w, bias, "gelu")
+        row["kernel_us"] = _bench_us(lambda: tritonmm.linear(x, w, bias, "gelu"), args.rep)
+        out = tritonmm.linear(x, w, bias, "gelu")
+    if not args.no_check:
+        rep = error_report(out, x, w, ref_fn=lambda x_, w_: F.gelu(F.linear(x_, w_, bias.double())),
+                           torch_fn=lambda x_, w_: F.gelu(F.linear(x_, w_, bias)), contract=F.linear)
+        row.update(kernel_ok=rep["ok"], kernel_err=rep["tri_err"], torch_err=rep["torch_err"])
+    flop = 2.0 * M * N * K
+    for key in ("torch", "tritonmm", "kernel"):
+        row[f"{key}_tflops"] = flop / row[f"{key}_us"] / 1e6
+    row["ratio"] = row["torch_us"] / row["tritonmm_us"]
+    row["kernel_ratio"] = row["torch_us"] / row["kernel_us"]
+    return row
+
+
+def geomean(xs) -> float:
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def shape_class(tag: str) -> str:
+    return tag.split("-")[0]
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Geometric-mean ratios per (dtype, shape class) and per dtype overall."""
+    out = []
+    for dtype in sorted({r["dtype"] for r in rows}):
+        sub = [r for r in rows if r["dtype"] == dtype]
+        classes = sorted({shape_class(r["tag"]) for r in sub}) + ["all"]
+        for cls in classes:
+            rs = sub if cls == "all" else [r for r in sub if shape_class(r["tag"]) == cls]
+            out.append({"dtype": dtype, "class": cls, "n": len(rs), "ratio": geomean(r["ratio"] for r in rs),
+                        "kernel_ratio": geomean(r.get("kernel_ratio") for r in rs),
+                        "min_ratio": min(r["ratio"] for r in rs)})
+    return out
+
+
+def print_table(rows: list[dict], summary: list[dict]) -> None:
+    head = (f"{'dtype':8} {'tag':16} {'M':>6} {'N':>6} {'K':>6} {'backend':14} {'tritonmm us':>11} {'TFLOP/s':>7} "
+            f"{'torch us':>9} {'TFLOP/s':>7} {'ratio':>6} {'kernel us':>9} {'k.ratio':>7} {'check':>5}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        ok = r.get("ok", r.get("kernel_ok"))
+        check = "-" if ok is None else ("ok" if ok and r.get("kernel_ok", True) else "FAIL")
+        print(f"{r['dtype']:8} {r['tag']:16} {r['M']:>6} {r['N']:>6} {r['K']:>6} {r['backend']:14} "
+              f"{r['tritonmm_us']:>11.1f} {r['tritonmm_tflops']:>7.1f} {r['torch_us']:>9.1f} "
+              f"{r['torch_tflops']:>7.1f} {r['ratio']:>6.2f} {r.get('kernel_us', float('nan')):>9.1f} "
+              f"{r.get('kernel_ratio', float('nan')):>7.2f} {check:>5}")
+    print("\ngeometric mean of torch.matmul time / tritonmm time (>1: tritonmm faster)")
+    print(f"{'dtype':8} {'class':10} {'n':>3} {'dispatch':>8} {'kernel':>7} {'min':>6}")
+    for s in summary:
+        print(f"{s['dtype']:8} {s['class']:10} {s['n']:>3} {s['ratio']:>8.3f} {s['kernel_ratio']:>7.3f} "
+              f"{s['min_ratio']:>6.2f}")
+
+
+def cpu_check() -> int:
+    """No GPU: run each kernel path through the interpreter on small problems and check them."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch.nn.functional as F
+
+    import tritonmm
+    from tritonmm.testing import error_report, randn
+
+    print("No CUDA GPU: running the Triton kernels through Triton's interpreter (TRITON_INTERPRET=1) "
+          "on small problems and checking them against float64 references.")
+    torch.manual_seed(0)
+    failures = 0
+    print(f"{'dtype':9} {'kernel':8} {'problem':24} {'max err':>10} {'bound':>10}  result")
+    for dtype in DTYPES.values():
+        for kernel in ("tma", "pointer", "splitk"):
+            for what in ("matmul 97x83x71", "linear+bias+gelu 45x61x53"):
+                with tritonmm.force_backend("triton", kernel):
+                    if what.startswith("matmul"):
+                        a, b = randn(97, 71, dtype=dtype), randn(71, 83, dtype=dtype)
+                        rep = error_report(tritonmm.matmul(a, b), a, b)
+                    else:
+                        x, w, bias = randn(45, 53, dtype=dtype), randn(61, 53, dtype=dtype), randn(61, dtype=dtype)
+                        rep = error_report(
+                            tritonmm.linear(x, w, bias, "gelu"), x, w,
+                            ref_fn=lambda x_, w_: F.gelu(F.linear(x_, w_, bias.double())),
+                            torch_fn=lambda x_, w_: F.gelu(F.linear(x_, w_, bias)), contract=F.linear)
+                failures += not rep["ok"]
+                print(f"{str(dtype)[6:]:9} {kernel:8} {what:24} {rep['tri_err']:>10.2e} {rep['bound']:>10.2e}  "
+                      f"{'ok' if rep['ok'] else 'FAIL'}")
+    print(f"\n{'all checks passed' if not failures else f'{failures} checks FAILED'}. "
+          "Timings need a CUDA GPU: run `python -m tritonmm.bench` on one.")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        return cpu_check()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a convenience
+        def tqdm(it, **kw):
+            return it
+    shapes, suite_dtypes = load_suite(args.shapes or default_suite(), args.tags)
+    if args.linear:
+        shapes = [s for s in shapes if s["tag"].startswith("llama8b")]
+    dtypes = [DTYPES[d] for d in (args.dtype or suite_dtypes)]
+    if torch.float32 in dtypes:
+        torch.backends.cuda.matmul.allow_tf32 = True  # the suite's float32 rows are TF32 rows
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    work = [(s, d) for d in dtypes for s in shapes]
+    for shape, dtype in tqdm(work, desc="bench", file=sys.stderr, mininterval=5):
+        fn = bench_linear_row if args.linear else bench_matmul_row
+        rows.append(fn(shape, dtype, args, gen))
+        torch.cuda.empty_cache()
+    summary = summarize(rows)
+    print_table(rows, summary)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
+                                         "rows": rows, "summary": summary}, indent=1))
+    if args.csv:
+        with args.csv.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+            writer.writeheader()
+            writer.writerows(rows)
+    bad = [r for r in rows if r.get("ok") is False or r.get("kernel_ok") is False]
+    if bad:
+        print(f"\n{len(bad)} rows FAILED the correctness check", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

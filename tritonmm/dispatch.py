@@ -1,0 +1,205 @@
+"""The one place that decides, per call, between the Triton kernels and torch.matmul (cuBLAS).
+
+``decide`` returns a :class:`Decision` with its reason; ``tritonmm.explain(a, b)`` shows it.
+Rules, in order (first match wins):
+
+1. a device or dtype the kernels do not handle (not CUDA, float64, integers, complex),
+   and float32 where torch.matmul would not use TF32 -> torch.matmul. Under
+   ``TRITON_INTERPRET=1`` CPU tensors take the Triton path (CI tests the kernel itself).
+2. empty problems (M, N or batch = 0; K = 0) -> no launch.
+3. a forced backend (``TRITONMM_BACKEND`` or :func:`force_backend`).
+4. a measured winner from the tuned table of this GPU (``configs/tuned/*.json``).
+5. problems too small to pay for a launch (< ``MIN_FLOPS``) and batched GEMMs -> cuBLAS.
+6. the kernel: persistent TMA for 2-D problems on Hopper (operands copied into
+   16-byte aligned buffers when their strides are not, and the problem is large enough
+   to pay for the copy), split-K when small M leaves SMs idle, the pointer kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from . import tuned as _tuned
+from ._env import interpreting
+from .shapes import Plan
+
+BACKENDS = ("auto", "triton", "torch")
+KERNELS = ("auto", "tma", "pointer", "splitk")
+_ALIASES = {"cublas": "torch"}
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_FLOPS = 2 * 128**3  # below this a launch from Python costs more than the math (µs scale)
+PAD_MIN_FLOPS = 2 * 512**3  # unaligned operands are copied into aligned buffers above this
+SMALL_M = 64  # at or below: memory-bound (weight streaming), pointer or split-K kernel
+
+_forced: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("tritonmm_forced", default=None)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which backend serves a call, and why.
+
+    Attributes:
+        backend: "triton" or "torch" (torch.matmul: cuBLAS on CUDA).
+        kernel: "tma", "pointer", "splitk", "none" (no launch: empty result) or None (torch).
+        reason: one sentence for humans.
+        config: a fixed kernel config (from the tuned table), or None to autotune.
+        copies: operands ("a", "b") copied into 16-byte aligned buffers for TMA.
+    """
+
+    backend: str
+    kernel: str | None
+    reason: str
+    config: dict | None = None
+    copies: tuple = field(default=())
+
+    def __str__(self) -> str:
+        what = "torch.matmul (cuBLAS)" if self.backend == "torch" else f"triton[{self.kernel}]"
+        extra = f", copies {'+'.join(self.copies)} to aligned buffers" if self.copies else ""
+        cfg = f", config {self.config}" if self.config else ""
+        return f"{what}: {self.reason}{extra}{cfg}"
+
+
+def _env_choice(name: str, allowed: tuple) -> str:
+    raw = os.environ.get(name, "auto").strip().lower() or "auto"
+    value = _ALIASES.get(raw, raw)
+    if value not in allowed:
+        raise ValueError(f"environment variable {name}={os.environ[name]!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def forced() -> tuple[str, str, dict | None]:
+    """(backend, kernel, config) forced by :func:`force_backend`, else by the environment, else auto.
+
+    Raises:
+        ValueError: ``TRITONMM_BACKEND`` or ``TRITONMM_KERNEL`` holds an unknown value.
+    """
+    ctx = _forced.get()
+    if ctx is not None:
+        return ctx
+    return _env_choice("TRITONMM_BACKEND", BACKENDS), _env_choice("TRITONMM_KERNEL", KERNELS), None
+
+
+@contextlib.contextmanager
+def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | None = None):
+    """Force a backend (and optionally a Triton kernel and config) inside a ``with`` block; for tests and A/B runs.
+
+    Args:
+        backend: "triton", "torch" (alias "cublas") or "auto".
+        kernel: "auto", "tma", "pointer" or "splitk" (Triton only).
+        config: a config dict for ``kernel`` (fields of ``configs/candidates.json``); default: tuned/autotuned.
+
+    Forcing "triton" overrides the performance rules (size, tuned table), not the
+    capability rules: float64 or a CPU tensor outside the interpreter still go to torch.
+
+    Raises:
+        ValueError: unknown backend or kernel.
+    """
+    backend = _ALIASES.get(backend, backend)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or 'cublas', got {backend!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if config is not None and kernel == "auto":
+        raise ValueError("a forced config needs a forced kernel")
+    token = _forced.set((backend, kernel, config))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def _has_tma(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return interpreting()
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _capability(plan: Plan, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the Triton kernels cannot serve this call at all, or None."""
+    if device.type == "cpu":
+        if not interpreting():
+            return "CPU tensors: the Triton kernels run on CUDA GPUs (or on CPU under TRITON_INTERPRET=1)"
+    elif device.type != "cuda":
+        return f"device type {device.type!r} is not served by the Triton kernels"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not supported by the Triton kernels (float16, bfloat16, float32 are)"
+    if dtype == torch.float32 and device.type == "cuda" and torch.get_float32_matmul_precision() == "highest":
+        return "float32 with TF32 disabled (float32 matmul precision 'highest'): cuBLAS keeps full fp32 precision"
+    return None
+
+
+def _kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, str, tuple]:
+    """(kernel, reason, copies) for a call that goes to Triton."""
+    from .kernels import matmul as km
+
+    M, N, K, batch = plan.M, plan.N, plan.K, plan.batch
+    two_d = batch == 1
+    if want != "auto":
+        if want in ("tma", "splitk") and not two_d:
+            return "pointer", f"{want} takes one 2-D GEMM; batched ({batch}) runs the pointer kernel", ()
+        if want == "tma" and not _has_tma(device):
+            return "pointer", "TMA needs compute capability 9.0+; pointer kernel", ()
+        if want != "tma":
+            return want, f"kernel forced to {want}", ()
+        copies = tuple(n for n, t in (("a", plan.a4[0, 0]), ("b", plan.b4[0, 0])) if not km.tma_compatible(t))
+        return "tma", "kernel forced to tma", copies
+    if not two_d:
+        return "pointer", f"batched GEMM ({batch} x {M}x{N}x{K}): pointer kernel with a batch grid axis", ()
+    if M <= SMALL_M:
+        tiles = -(-M // 16) * -(-N // 64)
+        if tiles < _num_sms(device) and K >= 1024:
+            return "splitk", f"M={M} leaves SMs idle ({tiles} tiles): split-K over K={K}", ()
+        return "pointer", f"M={M} is memory-bound: pointer kernel with small BLOCK_M", ()
+    if not _has_tma(device):
+        return "pointer", "no TMA before compute capability 9.0: pointer kernel", ()
+    copies = tuple(n for n, t in (("a", plan.a4[0, 0]), ("b", plan.b4[0, 0])) if not km.tma_compatible(t))
+    if copies and 2 * M * N * K < PAD_MIN_FLOPS:
+        return "pointer", "unaligned operands, too small to pay for an aligned copy: pointer kernel", ()
+    return "tma", "persistent TMA kernel (2-D, Hopper)", copies
+
+
+def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
+    """Choose the backend for one call (see the module docstring for the rules).
+
+    Raises:
+        ValueError: a forcing environment variable holds an unknown value.
+    """
+    why_not = _capability(plan, dtype, device)
+    if why_not:
+        return Decision("torch", None, why_not)
+    M, N, K, batch = plan.M, plan.N, plan.K, plan.batch
+    if M == 0 or N == 0 or batch == 0:
+        return Decision("triton", "none", "empty result: nothing to compute, no launch")
+    if K == 0:
+        return Decision("triton", "none", "K = 0: the result is zeros (plus bias), no launch")
+    backend, kernel, config = forced()
+    if backend == "torch":
+        return Decision("torch", None, "backend forced to torch")
+    if backend == "triton":
+        k, reason, copies = _kernel_choice(plan, device, kernel)
+        return Decision("triton", k, f"backend forced to triton; {reason}", config=config if k == kernel else None,
+                        copies=copies)
+    if device.type == "cuda":
+        entry = _tuned.lookup(device, dtype, plan)
+        if entry is not None:
+            return entry
+    flops = 2 * M * N * K * batch
+    if device.type == "cuda" and flops < MIN_FLOPS:
+        return Decision("torch", None, f"{flops / 1e6:.2f} MFLOP is too small to pay for a Triton launch")
+    if device.type == "cuda" and batch > 1:
+        return Decision("torch", None, f"batched GEMM ({batch} x {M}x{N}x{K}): cuBLAS strided-batched")
+    k, reason, copies = _kernel_choice(plan, device, kernel)
+    if device.type == "cpu":
+        reason = f"TRITON_INTERPRET=1: CPU tensors run in Triton's interpreter; {reason}"
+    return Decision("triton", k, reason, copies=copies)

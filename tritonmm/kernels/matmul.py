@@ -1,0 +1,509 @@
+"""Triton GEMM kernels and their launchers: C = act(A @ B + bias), fp32 accumulation.
+
+Two kernels:
+
+* ``_matmul_kernel``: the tiled pointer-based GEMM of Triton's tutorial 03 (group-M
+  program order for L2 reuse), reading any strides in place, masked for any M, N, K,
+  with a two-level batch folded into grid axis 0 and an optional split-K over grid
+  axis 1 (fp32 partials reduced by the launcher).
+* ``_matmul_tma_kernel``: a persistent kernel (grid = number of SMs, tiles visited in
+  group-M order) loading tiles through device-side TMA tensor descriptors
+  (``tl.make_tensor_descriptor``), after Triton's tutorial 09. Hopper (sm_90) and newer;
+  operands need a unit stride and 16-byte aligned base and leading stride.
+
+Both fuse the epilogue: bias add and an activation ("relu", "gelu", "gelu_tanh", "silu")
+on the fp32 accumulator before the single store of C.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+import triton
+import triton.language as tl
+
+from .._env import autotune_enabled, interpreting
+from . import configs as _cfg
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+
+
+# --------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def _group_m_order(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Group-M swizzle (Triton tutorial 03): GROUP_M rows of tiles are visited column by column."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _to_output(acc, dtype, UPCAST: tl.constexpr):
+    """fp32 accumulator -> output dtype, rounding to nearest even.
+
+    Under the interpreter (UPCAST) bfloat16 is rounded by hand: its fp32 -> bf16 cast truncates.
+    """
+    if UPCAST:
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(acc != acc, acc.to(dtype), out)
+    elif dtype == tl.float32:
+        return acc
+    else:
+        return acc.to(dtype)
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr):
+    """Elementwise activation on fp32 values; NaN propagates as in torch."""
+    if ACTIVATION == "relu":
+        x = tl.where(x < 0.0, 0.0, x)
+    elif ACTIVATION == "gelu":
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        x = 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+    elif ACTIVATION == "silu":
+        x = x * tl.sigmoid(x)
+    return x
+
+
+# --------------------------------------------------------------------------- pointer kernel
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr,  # (B0, B1, M, K)
+    b_ptr,  # (B0, B1, K, N)
+    c_ptr,  # (B0, B1, M, N), or (SPLIT_K, M, N) float32 partials when SPLIT_K > 1
+    bias_ptr,  # (N,) or a dummy when HAS_BIAS is False
+    M, N, K, B1,
+    stride_ab0, stride_ab1, stride_am, stride_ak,
+    stride_bb0, stride_bb1, stride_bk, stride_bn,
+    stride_cb0, stride_cb1, stride_cm, stride_cn,
+    stride_cs, stride_bias,
+    M_BUCKET, N_BUCKET, K_BUCKET, LAYOUT,  # autotune key only
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(axis=0)
+    pid_s = tl.program_id(axis=1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    pid_b = pid // num_tiles
+    pid_m, pid_n = _group_m_order(pid % num_tiles, num_pid_m, num_pid_n, GROUP_M)
+
+    # batch offsets are always 64-bit: batch x stride passes 2**31 easily
+    b_outer = (pid_b // B1).to(tl.int64)
+    b_inner = (pid_b % B1).to(tl.int64)
+    a_ptr += b_outer * stride_ab0 + b_inner * stride_ab1
+    b_ptr += b_outer * stride_bb0 + b_inner * stride_bb1
+    c_ptr += b_outer * stride_cb0 + b_inner * stride_cb1 + pid_s.to(tl.int64) * stride_cs
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # rows/columns past the edge wrap around (in bounds); their results are never stored. The
+    # modulo keeps the contiguity Triton needs for wide loads when M/N divide by 16 (tutorial 03)
+    offs_am = offs_m % M
+    offs_bn = offs_n % N
+    if INT64:
+        offs_am = offs_am.to(tl.int64)
+        offs_bn = offs_bn.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # this program's K range: all of K, or one of SPLIT_K slices of whole BLOCK_K steps
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = tl.multiple_of(pid_s * k_per_split, BLOCK_K)
+    k_len = tl.minimum(K - k_start, k_per_split)
+    if INT64:
+        k_start = k_start.to(tl.int64)
+    a_ptrs = a_ptr + offs_am[:, None] * stride_am + (k_start + offs_k[None, :]) * stride_ak
+    b_ptrs = b_ptr + (k_start + offs_k[:, None]) * stride_bk + offs_bn[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(k_len, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = k_len - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if UPCAST:  # the interpreter multiplies bfloat16 bit patterns (triton-lang/triton#11584)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        acc = _activation(acc, ACTIVATION)
+    offs_cm = offs_m
+    offs_cn = offs_n
+    if INT64:
+        offs_cm = offs_cm.to(tl.int64)
+        offs_cn = offs_cn.to(tl.int64)
+    c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptrs, _to_output(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+
+
+# --------------------------------------------------------------------------- TMA persistent kernel
+
+
+@triton.jit
+def _matmul_tma_kernel(
+    a_ptr,  # (M, K) row-major, or (K, M) row-major storage when A_TRANS
+    b_ptr,  # (K, N) row-major, or (N, K) row-major storage when B_TRANS (an nn.Linear weight)
+    c_ptr,  # (M, N), unit column stride
+    bias_ptr,  # (N,) or a dummy when HAS_BIAS is False
+    M, N, K,
+    stride_a, stride_b, stride_cm, stride_bias,  # leading (row) strides in elements
+    M_BUCKET, N_BUCKET, K_BUCKET,  # autotune key only
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr, NUM_SMS: tl.constexpr,
+    A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    if A_TRANS:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_TRANS:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+    if EPILOGUE_SUBTILE:
+        C_BLOCK_N: tl.constexpr = BLOCK_N // 2
+    else:
+        C_BLOCK_N: tl.constexpr = BLOCK_N
+    if C_TMA:
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, C_BLOCK_N])
+
+    start_pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _group_m_order(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        offs_am = pid_m * BLOCK_M
+        offs_bn = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            offs_k = ki * BLOCK_K  # TMA zero-fills past K, M and N: no masks
+            if A_TRANS:
+                a = a_desc.load([offs_k, offs_am]).T
+            else:
+                a = a_desc.load([offs_am, offs_k])
+            if B_TRANS:
+                b = b_desc.load([offs_bn, offs_k]).T
+            else:
+                b = b_desc.load([offs_k, offs_bn])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+        offs_n = offs_bn + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        acc = _activation(acc, ACTIVATION)
+        if C_TMA:
+            if EPILOGUE_SUBTILE:  # two half-width stores: half the epilogue's shared memory
+                acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+                acc0, acc1 = tl.split(acc)
+                c_desc.store([offs_am, offs_bn], _to_output(acc0, c_ptr.dtype.element_ty, UPCAST))
+                c_desc.store([offs_am, offs_bn + BLOCK_N // 2], _to_output(acc1, c_ptr.dtype.element_ty, UPCAST))
+            else:
+                c_desc.store([offs_am, offs_bn], _to_output(acc, c_ptr.dtype.element_ty, UPCAST))
+        else:  # C's row stride is not 16-byte aligned: masked pointer store, 64-bit offsets
+            offs_m = offs_am + tl.arange(0, BLOCK_M)
+            c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+            c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            tl.store(c_ptrs, _to_output(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+
+
+# --------------------------------------------------------------------------- launch helpers
+
+
+_BIG = 256  # the largest block edge in any config; bounds index overshoot in the INT64 check
+
+
+def _needs_int64(t: torch.Tensor) -> bool:
+    """Whether an in-kernel element offset into ``t`` (last two dims) can pass 2**31."""
+    reach = sum((size + _BIG) * abs(stride) for size, stride in zip(t.shape[-2:], t.stride()[-2:]))
+    return reach >= 2**31
+
+
+def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """tl.dot precision: TF32 for float32 only where torch.matmul would use it (CUDA and allowed)."""
+    if dtype == torch.float32 and not (device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"):
+        return "ieee"
+    return "tf32"
+
+
+def _layout_code(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Autotune-key tag of the operand layouts: bit 0 = A column-major, bit 1 = B column-major."""
+    return int(a.stride(-1) != 1) | (int(b.stride(-1) != 1) << 1)
+
+
+def _early_prune(kernel: str, configs, named_args, **kwargs):
+    """``early_config_prune`` for ``triton.autotune``: see :func:`configs.prune`."""
+    a, c = named_args["a_ptr"], named_args["c_ptr"]
+    smem, sms = _cfg.device_limits(a.device.index if a.device.index is not None else torch.cuda.current_device())
+    dicts = [_cfg.from_triton(c_) for c_ in configs]
+    kept = _cfg.prune(
+        dicts, M=named_args["M"], N=named_args["N"], K=named_args["K"], itemsize=a.element_size(),
+        out_itemsize=c.element_size(), kernel=kernel, smem_limit=smem, num_sms=sms,
+    )
+    return [configs[dicts.index(k)] for k in kept]
+
+
+@functools.cache
+def autotuned(kernel: str):
+    """The ``@triton.autotune`` wrapper of one kernel, built on first use from ``configs/candidates.json``.
+
+    The key holds bucketed M/N/K (:func:`configs.bucket`), the operand layouts and the
+    SM count; Triton adds the tensor dtypes. Results persist on disk in Triton's cache
+    (``cache_results=True``), keyed by the Triton version, the GPU target, the kernel
+    source and the candidate list, so a change to any of them retunes.
+    """
+    configs = [_cfg.to_triton(c) for c in _cfg.candidates(kernel)]
+    prune = {"early_config_prune": functools.partial(_early_prune, kernel)}
+    if kernel == "tma":
+        key = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_TRANS", "B_TRANS", "NUM_SMS"]
+        fn = _matmul_tma_kernel
+    else:
+        key = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT"]
+        fn = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_matmul_kernel)
+    return triton.autotune(configs=configs, key=key, prune_configs_by=prune, cache_results=True)(fn)
+
+
+_tune_lock = threading.Lock()  # Autotuner.run keeps per-call state on the object
+
+
+def _torch_alloc(size: int, alignment: int, stream):
+    """Scratch memory for device-side TMA descriptors, from torch's caching allocator."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
+
+
+def _ensure_allocator() -> None:
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator.get()
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(_torch_alloc)
+
+
+def num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device (132 on an H200); 4 under the interpreter."""
+    if device.type != "cuda":
+        return 4
+    return _cfg.device_limits(device.index if device.index is not None else torch.cuda.current_device())[1]
+
+
+def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu":
+        return torch.relu(x)
+    if activation in ("gelu", "gelu_tanh"):
+        return torch.nn.functional.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+    if activation == "silu":
+        return torch.nn.functional.silu(x)
+    return x
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _fixed_config(kernel: str, config, M, N, K, a, c):
+    """The config to launch without autotuning, or None to autotune.
+
+    An explicit config wins; under the interpreter, its single config; with
+    ``TRITONMM_AUTOTUNE=0``, the quantization heuristic's pick.
+    """
+    if config is not None:
+        return config
+    if interpreting():
+        return _cfg.interpreter_config(kernel)
+    if not autotune_enabled():
+        return _cfg.heuristic(kernel, M, N, K, a.element_size(), c.element_size(), a.device)
+    return None
+
+
+def launch_pointer(a4, b4, c4, bias=None, activation="none", config=None, split_k=False):
+    """C4 = act(A4 @ B4 + bias) with the pointer kernel.
+
+    Args:
+        a4 (Tensor): (B0, B1, M, K) view, any strides (stride 0 broadcasts batch dims).
+        b4 (Tensor): (B0, B1, K, N) view, same dtype and device.
+        c4 (Tensor): (B0, B1, M, N) output view, written in place.
+        bias (Tensor, optional): (N,), added in the epilogue.
+        activation (str): one of :data:`ACTIVATIONS`.
+        config (dict, optional): explicit config; default: autotuned (GPU) or the interpreter config.
+        split_k (bool): split K over ``SPLIT_K`` programs (needs B0 = B1 = 1).
+
+    Returns:
+        dict: the config that ran (for split-K, as chosen by the autotuner).
+    """
+    B0, B1, M, K = a4.shape
+    N = b4.shape[-1]
+    kernel = "splitk" if split_k else "pointer"
+    config = _fixed_config(kernel, config, M, N, K, a4, c4)
+    int64 = _needs_int64(a4) or _needs_int64(b4) or _needs_int64(c4)
+    if split_k:
+        assert B0 == 1 and B1 == 1, "split-K takes one GEMM"
+        max_split = config["SPLIT_K"] if config else max(c["SPLIT_K"] for c in _cfg.candidates("splitk"))
+        out = torch.empty((max_split, M, N), dtype=torch.float32, device=c4.device)
+        c_args = (out, 0, 0, out.stride(1), out.stride(2), out.stride(0))
+    else:
+        c_args = (c4, c4.stride(0), c4.stride(1), c4.stride(2), c4.stride(3), 0)
+    args = (
+        a4, b4, c_args[0], bias if bias is not None else c_args[0],
+        M, N, K, B1,
+        a4.stride(0), a4.stride(1), a4.stride(2), a4.stride(3),
+        b4.stride(0), b4.stride(1), b4.stride(2), b4.stride(3),
+        *c_args[1:], bias.stride(0) if bias is not None else 0,
+        _cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K), _layout_code(a4, b4),
+    )
+    meta = dict(
+        INT64=int64, HAS_BIAS=bias is not None, ACTIVATION=activation if not split_k else "none",
+        INPUT_PRECISION=_input_precision(a4.dtype, a4.device),
+        UPCAST=interpreting() and a4.dtype == torch.bfloat16,
+    )
+    if not split_k:
+        meta["SPLIT_K"] = 1
+
+    def grid(META):
+        return (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]) * B0 * B1, META.get("SPLIT_K", 1))
+
+    if config is not None:
+        _matmul_kernel[grid](*args, **meta, **config, EVEN_K=K % config["BLOCK_K"] == 0)
+        ran = dict(config)
+    else:
+        tuner = autotuned(kernel)
+        with _tune_lock:
+            tuner[grid](*args, **meta)
+            ran = _cfg.from_triton(tuner.best_config)
+    if split_k:
+        acc = out[: ran["SPLIT_K"]].sum(dim=0)
+        if bias is not None:
+            acc += bias.to(torch.float32)
+        c4[0, 0].copy_(_act(acc, activation))
+    return ran
+
+
+def launch_tma(a2, b2, c2, bias=None, activation="none", config=None):
+    """C2 = act(A2 @ B2 + bias) with the persistent TMA kernel.
+
+    Args:
+        a2 (Tensor): (M, K) accepted by :func:`tma_compatible` (see :func:`tma_view`).
+        b2 (Tensor): (K, N) likewise (a transposed (N, K) nn.Linear weight qualifies).
+        c2 (Tensor): (M, N) output with unit column stride.
+        bias, activation, config: as in :func:`launch_pointer`.
+
+    Returns:
+        dict: the config that ran.
+    """
+    M, K = a2.shape
+    N = b2.shape[1]
+    a_trans, stride_a = tma_layout(a2)
+    b_trans, stride_b = tma_layout(b2)
+    sms = num_sms(a2.device)
+    args = (
+        a2, b2, c2, bias if bias is not None else c2, M, N, K,
+        stride_a, stride_b, c2.stride(0), bias.stride(0) if bias is not None else 0,
+        _cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K),
+    )
+    meta = dict(
+        NUM_SMS=sms, A_TRANS=a_trans, B_TRANS=b_trans,
+        C_TMA=(c2.stride(0) * c2.element_size()) % 16 == 0 and c2.data_ptr() % 16 == 0,
+        HAS_BIAS=bias is not None, ACTIVATION=activation,
+        INPUT_PRECISION=_input_precision(a2.dtype, a2.device),
+        UPCAST=interpreting() and a2.dtype == torch.bfloat16,
+    )
+
+    def grid(META):
+        return (min(sms, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)
+
+    _ensure_allocator()
+    config = _fixed_config("tma", config, M, N, K, a2, c2)
+    if config is not None:
+        _matmul_tma_kernel[grid](*args, **meta, **config)
+        return dict(config)
+    tuner = autotuned("tma")
+    with _tune_lock:
+        tuner[grid](*args, **meta)
+        return _cfg.from_triton(tuner.best_config)
+
+
+def _is_col_major(t: torch.Tensor) -> bool:
+    """Whether a 2-D operand is read with unit stride along dim 0 (a transposed view)."""
+    if t.stride(1) == 1 and t.shape[1] != 1:
+        return False
+    return t.stride(0) == 1 or t.shape[0] == 1 or t.stride(1) != 1
+
+
+def tma_layout(t: torch.Tensor) -> tuple[bool, int]:
+    """(transposed, leading stride in elements) of a 2-D operand as a TMA descriptor sees it.
+
+    A transposed operand is described over its storage, shape (cols, rows). Where the
+    leading dim has size 1 its stride is never used and an aligned stand-in is returned.
+    """
+    col = _is_col_major(t)
+    inner, outer = (t.shape[0], t.shape[1]) if col else (t.shape[1], t.shape[0])
+    lead = t.stride(1) if col else t.stride(0)
+    if outer == 1:
+        per16 = 16 // t.element_size()
+        lead = -(-max(inner, 1) // per16) * per16
+    return col, lead
+
+
+def tma_compatible(t: torch.Tensor) -> bool:
+    """Whether TMA can read a 2-D operand in place: a unit stride in one dim, and a 16-byte
+    aligned base address and leading stride (CUDA ``cuTensorMapEncodeTiled`` rules)."""
+    if t.data_ptr() % 16:
+        return False
+    col, lead = tma_layout(t)
+    inner = t.shape[0] if col else t.shape[1]
+    unit = t.stride(0) if col else t.stride(1)
+    if unit != 1 and inner > 1:
+        return False
+    return lead > 0 and (lead * t.element_size()) % 16 == 0
+
+
+def tma_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when TMA can read it, else a copy with 16-byte aligned rows (same major order).
+
+    The copy lives in a buffer whose rows are padded to a multiple of 16 bytes and is
+    returned as a view of the exact shape; the descriptor's bounds keep the padding
+    unread, so results are exact. Extra memory: the operand's size plus < 16 bytes a row.
+    """
+    if tma_compatible(t):
+        return t
+    col = _is_col_major(t)
+    src = t.mT if col else t  # (outer, inner), unit stride along inner once copied
+    outer, inner = src.shape
+    per16 = 16 // t.element_size()
+    lead = -(-inner // per16) * per16
+    buf = torch.empty((outer, lead), dtype=t.dtype, device=t.device)[:, :inner]
+    buf.copy_(src)
+    return buf.mT if col else buf

@@ -1,0 +1,143 @@
+"""nn.Linear integration: a TritonLinear module, global patching that can be undone, and in-place swapping.
+
+``swap_linear`` changes the class of matching modules in place (to a subclass of their own
+class whose forward calls :func:`tritonmm.linear`), so parameters stay the same objects
+(weight tying survives), ``state_dict`` keys and values, hooks, device, dtype,
+``requires_grad`` and the meta device are untouched, and ``isinstance(m, nn.Linear)``
+still holds. ``unswap_linear`` restores the original class. No weight is copied.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .api import linear
+
+
+class TritonLinear(nn.Linear):
+    """``nn.Linear`` whose forward is :func:`tritonmm.linear`, with an optional fused activation.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as for ``nn.Linear``.
+        activation (str): "none", "relu", "gelu", "gelu_tanh" or "silu", fused into the GEMM epilogue.
+
+    Shapes: input (*, in_features) -> output (*, out_features), as nn.Linear.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, activation="none"):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.activation = activation
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return linear(input, self.weight, self.bias, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation!r}"
+
+
+def _swapped_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    return linear(input, self.weight, self.bias)
+
+
+_swap_classes: dict[type, type] = {}
+
+
+def _swapped_class(cls: type) -> type:
+    """A subclass of ``cls`` (an nn.Linear subclass) whose forward runs through tritonmm."""
+    if cls not in _swap_classes:
+        _swap_classes[cls] = type(
+            f"Triton{cls.__name__}", (cls,), {"forward": _swapped_forward, "_tritonmm_base": cls,
+                                              "__module__": __name__}
+        )
+    return _swap_classes[cls]
+
+
+def _runs_linear_forward(module: nn.Module) -> bool:
+    # a subclass with a forward of its own is left alone: replacing it would change what it computes
+    return type(module).forward in (nn.Linear.forward, _original_forward, _patched_forward)
+
+
+def swap_linear(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
+    """Route matching ``nn.Linear`` modules of ``model`` (the root included) through tritonmm, in place.
+
+    In the style of torchao's ``quantize_(model, config, filter_fn)``.
+
+    Args:
+        model: any module tree.
+        filter_fn: ``(module, fully_qualified_name) -> bool``, asked for each nn.Linear that uses
+            nn.Linear's own forward (subclasses with a forward of their own are never swapped);
+            default: all of them.
+
+    Returns:
+        The same ``model`` object.
+    """
+    for fqn, module in model.named_modules():
+        cls = type(module)
+        if not isinstance(module, nn.Linear) or isinstance(module, TritonLinear) or "_tritonmm_base" in cls.__dict__:
+            continue
+        if _runs_linear_forward(module) and (filter_fn is None or filter_fn(module, fqn)):
+            module.__class__ = _swapped_class(cls)
+    return model
+
+
+def unswap_linear(model: nn.Module) -> nn.Module:
+    """Undo :func:`swap_linear`: every swapped module gets its original class back, in place.
+
+    Returns:
+        The same ``model`` object.
+    """
+    for module in model.modules():
+        base = type(module).__dict__.get("_tritonmm_base")
+        if base is not None:
+            module.__class__ = base
+    return model
+
+
+_patch_lock = threading.Lock()
+_original_forward = nn.Linear.forward
+
+
+def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    return linear(input, self.weight, self.bias)
+
+
+class _Patch:
+    """Returned by :func:`patch_linear`; as a context manager it restores the state found on entry."""
+
+    def __init__(self, was_patched: bool):
+        self._was_patched = was_patched
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if not self._was_patched:
+            unpatch_linear()
+        return False
+
+
+def patch_linear() -> _Patch:
+    """Make every ``nn.Linear`` forward (and subclasses that inherit it) run through :func:`tritonmm.linear`.
+
+    Usable as a plain call (undo with :func:`unpatch_linear`) or as ``with tritonmm.patch_linear():``,
+    which restores the previous state on exit. Modules are not touched; nothing is copied.
+    """
+    with _patch_lock:
+        was = nn.Linear.forward is _patched_forward
+        nn.Linear.forward = _patched_forward
+    return _Patch(was)
+
+
+def unpatch_linear() -> None:
+    """Restore ``nn.Linear.forward`` (a no-op when not patched)."""
+    with _patch_lock:
+        nn.Linear.forward = _original_forward
+
+
+def is_linear_patched() -> bool:
+    """Whether :func:`patch_linear` is in effect."""
+    return nn.Linear.forward is _patched_forward

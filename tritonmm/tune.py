@@ -1,0 +1,179 @@
+"""Measure every candidate config (and cuBLAS) per shape and write this GPU's tuned table.
+
+    python -m tritonmm.tune --dtype bfloat16 --out configs/tuned/   # the public suite
+    python -m tritonmm.tune --tags llama8b --layout nt               # nn.Linear weights
+
+For each shape (bucketed M, exact N and K, operand layout) and dtype it times torch.matmul and
+every candidate config of each applicable kernel (persistent TMA, pointer, split-K for small M)
+through the full ``tritonmm.matmul`` call (copies and Python overhead included), checks each
+result against a float64 reference, and records the winner: a Triton kernel and config, or
+cuBLAS when it was faster. The table (``configs/tuned/<gpu>-sm<cc>-<sms>sms-triton<v>.json``) is
+used by the dispatcher on a GPU of the same compute capability, SM count and Triton version, so a
+fresh process benchmarks nothing for tabled shapes. Shapes that share a key (e.g. M = 1 and 16)
+get the config with the best total normalized time over them. Times in µs (median of
+``triton.testing.do_bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+from .bench import DTYPES, default_suite, load_suite
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tritonmm.tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=pathlib.Path, default=None)
+    p.add_argument("--tags", nargs="+", default=None)
+    p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["bfloat16"])
+    p.add_argument("--layout", nargs="+", choices=["nn", "nt"], default=["nn"])
+    p.add_argument("--kernels", nargs="+", choices=["tma", "pointer", "splitk"], default=["tma", "pointer", "splitk"])
+    p.add_argument("--rep", type=int, default=25, help="do_bench rep time per config in ms")
+    p.add_argument("--out", type=pathlib.Path, default=None,
+                   help="output file, or a directory for the default name (default: configs/tuned/)")
+    p.add_argument("--merge", action="store_true", help="keep entries of an existing table that this run does not measure")
+    p.add_argument("--time-limit", type=float, default=None, help="stop measuring new shapes after this many seconds")
+    return p.parse_args(argv)
+
+
+def applicable(kernel: str, M: int, N: int, device) -> bool:
+    from .dispatch import SMALL_M, _has_tma
+
+    if kernel == "tma":
+        return _has_tma(device)
+    if kernel == "splitk":
+        return M <= SMALL_M
+    return True
+
+
+def measure_shape(shape: dict, dtype, layout: str, args, gen) -> dict:
+    """Times (µs) of torch.matmul and of every (kernel, config) on one shape; failing configs are marked."""
+    import tritonmm
+    from triton.testing import do_bench
+
+    from .kernels import configs as cfg
+
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    a = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
+    b = (torch.randn(N, K, device="cuda", generator=gen).to(dtype).t() if layout == "nt"
+         else torch.randn(K, N, device="cuda", generator=gen).to(dtype))
+    ref = torch.matmul(a.double(), b.double())
+    torch_out = torch.matmul(a, b)
+    torch_err = (torch_out.double() - ref).abs().max().item()
+    from .testing import rounding_unit
+
+    bound = 2 * torch_err + rounding_unit(dtype, a.device) * ref.abs().max().item()
+    del torch_out
+    res = {"tag": shape["tag"], "M": M, "N": N, "K": K, "dtype": str(dtype)[6:], "layout": layout,
+           "torch_us": do_bench(lambda: torch.matmul(a, b), warmup=5, rep=args.rep, return_mode="median") * 1e3,
+           "configs": []}
+    smem, _ = cfg.device_limits(a.device.index or 0)
+    for kernel in args.kernels:
+        if not applicable(kernel, M, N, a.device):
+            continue
+        for config in cfg.candidates(kernel):
+            if cfg.smem_bytes(config, a.element_size(), a.element_size(), kernel) > smem:
+                continue
+            if config["BLOCK_M"] > 2 * cfg.bucket(M) or config["BLOCK_N"] > 2 * cfg.bucket(N):
+                continue
+            entry = {"kernel": kernel, "config": config}
+            try:
+                with tritonmm.force_backend("triton", kernel, config):
+                    out = tritonmm.matmul(a, b)
+                    err = (out.double() - ref).abs().max().item()
+                    entry["err"] = err
+                    if not err <= bound:
+                        entry["failed"] = f"error {err:.3e} > bound {bound:.3e}"
+                    else:
+                        entry["us"] = do_bench(lambda: tritonmm.matmul(a, b), warmup=5, rep=args.rep,
+                                               return_mode="median") * 1e3
+            except Exception as exc:  # a config that does not compile or run is recorded, not fatal
+                entry["failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            res["configs"].append(entry)
+    del ref
+    return res
+
+
+def choose(group: list[dict]) -> dict:
+    """One entry for shapes sharing a key: the (kernel, config) with the least total normalized time."""
+    def ident(c):
+        return c["kernel"], json.dumps(c["config"], sort_keys=True)
+
+    timed = [{ident(c): c["us"] for c in r["configs"] if "us" in c} for r in group]
+    common = set.intersection(*(set(t) for t in timed)) if timed else set()
+    best = {i: min(t.values()) for i, t in enumerate(timed) if t}
+    if not common or len(best) < len(group):
+        return {"backend": "torch", "kernel": None, "config": None, "triton_us": None,
+                "torch_us": max(r["torch_us"] for r in group), "note": "no Triton config ran on every shape"}
+    pick = min(common, key=lambda k: sum(t[k] / best[i] for i, t in enumerate(timed)))
+    tri = [t[pick] for t in timed]
+    tor = [r["torch_us"] for r in group]
+    wins = all(x < y for x, y in zip(tri, tor))
+    return {"backend": "triton" if wins else "torch", "kernel": pick[0], "config": json.loads(pick[1]),
+            "triton_us": max(tri), "torch_us": max(tor),
+            "shapes": [[r["M"], r["N"], r["K"], round(y / x, 3)] for r, x, y in zip(group, tri, tor)]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m tritonmm.tune measures kernels on a CUDA GPU; none is available here.", file=sys.stderr)
+        return 2
+    from . import tuned
+
+    shapes, _ = load_suite(args.shapes or default_suite(), args.tags)
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.time()
+    measured = []
+    work = [(s, DTYPES[d], lay) for d in args.dtype for lay in args.layout for s in shapes]
+    for i, (shape, dtype, layout) in enumerate(work):
+        if args.time_limit and time.time() - t0 > args.time_limit:
+            print(f"time limit reached after {i} of {len(work)} shapes", file=sys.stderr)
+            break
+        r = measure_shape(shape, dtype, layout, args, gen)
+        measured.append(r)
+        ok = [c for c in r["configs"] if "us" in c]
+        best = min(ok, key=lambda c: c["us"]) if ok else None
+        failed = [c for c in r["configs"] if "failed" in c]
+        print(f"[{time.time() - t0:6.0f}s] {r['dtype']:8} {layout} {r['tag']:16} {r['M']:>6} {r['N']:>6} {r['K']:>6} "
+              f"torch {r['torch_us']:9.1f} us  best {best['kernel'] + ' ' if best else ''}"
+              f"{best['us'] if best else float('nan'):9.1f} us  ratio "
+              f"{r['torch_us'] / best['us'] if best else float('nan'):5.2f}  failed {len(failed)}", flush=True)
+        torch.cuda.empty_cache()
+
+    groups: dict[str, list] = {}
+    for r in measured:
+        key = tuned.entry_key(DTYPES[r["dtype"]], r["M"], r["N"], r["K"], r["layout"])
+        groups.setdefault(key, []).append(r)
+    entries = {key: choose(group) for key, group in groups.items()}
+    sig = tuned.device_signature(device)
+    name = torch.cuda.get_device_name(device)
+    out = args.out or tuned.tuned_dir()
+    path = out / tuned.table_name(sig, name) if out.suffix != ".json" else out
+    if args.merge and path.is_file():
+        old = tuned.read_table(path)
+        if old:
+            entries = {**old["entries"], **entries}
+    table = {"format": tuned.FORMAT, "device": name, **sig, "torch": torch.__version__,
+             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "rep_ms": args.rep, "entries": entries, "measurements": measured}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table, indent=1))
+    tmp.replace(path)  # atomic: a concurrent reader sees the old or the new table, never half of one
+    wins = sum(e["backend"] == "triton" for e in entries.values())
+    print(f"wrote {path}: {len(entries)} entries, Triton wins {wins}, cuBLAS {len(entries) - wins}; "
+          f"{time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

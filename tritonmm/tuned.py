@@ -1,0 +1,106 @@
+"""Per-GPU tables of measured winners (``configs/tuned/*.json``), written by ``python -m tritonmm.tune``.
+
+A table belongs to one GPU kind and one Triton release: it records the compute
+capability, the SM count and the Triton version it was measured with, and is used
+only where all three match. Each entry names, for a dtype, a bucketed M, an exact N
+and K and the operand layouts, the fastest backend measured (a Triton kernel and its
+config, or torch.matmul/cuBLAS) and both times in µs. A table that cannot be read or
+parsed is skipped with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import warnings
+
+import torch
+
+from .shapes import Plan
+
+FORMAT = 1
+
+
+def layout_tag(plan: Plan) -> str:
+    """Two letters, A then B: 'n' = row-major (unit stride along the last dim), 't' = transposed."""
+    a, b = plan.a4, plan.b4
+    return ("n" if a.stride(3) == 1 else "t") + ("n" if b.stride(3) == 1 else "t")
+
+
+def entry_key(dtype: torch.dtype, M: int, N: int, K: int, layout: str) -> str:
+    from .kernels.configs import bucket
+
+    return f"{str(dtype).removeprefix('torch.')}:{bucket(M)}:{N}:{K}:{layout}"
+
+
+def device_signature(device: torch.device) -> dict:
+    """What a table must match: compute capability, SM count, Triton version."""
+    import triton
+
+    props = torch.cuda.get_device_properties(device)
+    return {"capability": [props.major, props.minor], "sms": props.multi_processor_count, "triton": triton.__version__}
+
+
+def table_name(sig: dict, name: str) -> str:
+    slug = name.lower().replace("nvidia ", "").replace(" ", "-")
+    return f"{slug}-sm{sig['capability'][0]}{sig['capability'][1]}-{sig['sms']}sms-triton{sig['triton']}.json"
+
+
+def tuned_dir() -> pathlib.Path:
+    from .kernels.configs import config_dir
+
+    return config_dir() / "tuned"
+
+
+def read_table(path: pathlib.Path) -> dict | None:
+    """Parse one table; None (with a warning) when it is unreadable, truncated or of another format."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
+            raise ValueError(f"format {data.get('format')!r} is not {FORMAT}")
+        return data
+    except (OSError, ValueError, AttributeError) as exc:
+        warnings.warn(f"tritonmm: ignoring tuned table {path}: {exc}", RuntimeWarning, stacklevel=3)
+        return None
+
+
+@functools.cache
+def _table_for(index: int) -> dict:
+    device = torch.device("cuda", index)
+    try:
+        sig = device_signature(device)
+        directory = tuned_dir()
+    except Exception:  # no configs dir: behave as if no table
+        return {}
+    if not directory.is_dir():
+        return {}
+    entries: dict = {}
+    for path in sorted(directory.glob("*.json")):
+        data = read_table(path)
+        if data and all(data.get(k) == v for k, v in sig.items()):
+            entries.update(data["entries"])
+    return entries
+
+
+def lookup(device: torch.device, dtype: torch.dtype, plan: Plan):
+    """The measured winner for this problem on this GPU as a Decision, or None."""
+    if plan.batch != 1:
+        return None
+    entries = _table_for(device.index if device.index is not None else torch.cuda.current_device())
+    if not entries:
+        return None
+    e = entries.get(entry_key(dtype, plan.M, plan.N, plan.K, layout_tag(plan)))
+    if e is None:
+        return None
+    from .dispatch import Decision
+
+    ratio = e["torch_us"] / e["triton_us"] if e.get("triton_us") else 0.0
+    if e["backend"] == "torch":
+        return Decision("torch", None, f"tuned table: cuBLAS measured faster (Triton {ratio:.2f}x)")
+    from .kernels import matmul as km
+
+    copies = ()
+    if e["kernel"] == "tma":
+        copies = tuple(n for n, t in (("a", plan.a4[0, 0]), ("b", plan.b4[0, 0])) if not km.tma_compatible(t))
+    return Decision("triton", e["kernel"], f"tuned table: measured {ratio:.2f}x cuBLAS", config=e["config"], copies=copies)
