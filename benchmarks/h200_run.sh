@@ -31,6 +31,25 @@ for dt in (torch.bfloat16, torch.float16, torch.float32):
                 print(dt, M, N, K, k, "ERROR", type(e).__name__, str(e)[:300], flush=True)
 PY
     ;;
+    overhead) T 120 python3 - <<'PY'
+import cProfile, pstats, time, torch, tritonmm
+a = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16); b = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+def rate(f, n=20000):
+    for _ in range(1000): f()
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(n): f()
+    torch.cuda.synchronize(); return (time.perf_counter() - t) / n * 1e6
+print("us/call 16x64x64 bf16: torch.matmul %.2f" % rate(lambda: torch.matmul(a, b)))
+print("  tritonmm.matmul (auto: %s) %.2f" % (tritonmm.explain(a, b).backend, rate(lambda: tritonmm.matmul(a, b))))
+print("  torch.ops.tritonmm.matmul %.2f" % rate(lambda: torch.ops.tritonmm.matmul(a, b)))
+for k in ("pointer", "tma", "splitk"):
+    with tritonmm.force_backend("triton", k):
+        print("  forced triton %s %.2f" % (k, rate(lambda: tritonmm.matmul(a, b))))
+with tritonmm.force_backend("triton", "tma"):
+    cProfile.run("for _ in range(5000): tritonmm.matmul(a, b)", "/tmp/prof")
+pstats.Stats("/tmp/prof").sort_stats("tottime").print_stats(18)
+PY
+    ;;
     tune) T "${TUNE_TIMEOUT:-330}" python3 -m tritonmm.tune --dtype bfloat16 --time-limit "${TUNE_LIMIT:-280}" \
             --out "$OUT/tuned.json" 2>&1 | tee "$OUT/tune.log"
           mkdir -p configs/tuned && cp "$OUT/tuned.json" configs/tuned/ 2>/dev/null ;;

@@ -12,15 +12,15 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 import tritonmm  # noqa: E402,F401
-from tritonmm import ops  # noqa: E402
+from tritonmm import engine  # noqa: E402
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=40, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
     "gpu", derandomize=False, deadline=None, max_examples=20, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile("dev", deadline=None, max_examples=15)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
@@ -54,7 +54,7 @@ def _nan_empty(*args, **kwargs):
 @pytest.fixture(autouse=True)
 def nan_poisoned_outputs(monkeypatch):
     """Every output the Triton path allocates starts as NaN: an unwritten tile fails loudly."""
-    monkeypatch.setattr(ops, "_alloc", _nan_empty)
+    monkeypatch.setattr(engine, "alloc", _nan_empty)
     yield
 
 

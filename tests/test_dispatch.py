@@ -118,3 +118,32 @@ def test_no_tma_before_hopper(fake_hopper, monkeypatch):
 def test_decision_str_names_backend_and_reason():
     s = str(dispatch.Decision("torch", None, "because"))
     assert "cuBLAS" in s and "because" in s
+
+
+@pytest.mark.interpreter
+def test_forced_config_reaches_the_kernel():
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 1, "num_stages": 1, "num_warps": 4}
+    a, b = randn(40, 24), randn(24, 50)
+    with tritonmm.force_backend("triton", "pointer", cfg):
+        d = tritonmm.explain(a, b)
+        out = tritonmm.matmul(a, b)
+    assert d.config == cfg
+    torch.testing.assert_close(out, a @ b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        with tritonmm.force_backend("triton", "auto", cfg):
+            pass
+
+
+@pytest.mark.interpreter
+def test_decisions_follow_forcing_changes(monkeypatch):
+    """The per-geometry cache must not keep a decision after the forcing state changes."""
+    a, b = randn(64, 64), randn(64, 64)
+    with tritonmm.force_backend("torch"):
+        assert tritonmm.explain(a, b).backend == "torch"
+    with tritonmm.force_backend("triton", "pointer"):
+        assert tritonmm.explain(a, b).kernel == "pointer"
+    monkeypatch.setenv("TRITONMM_BACKEND", "torch")
+    assert tritonmm.explain(a, b).backend == "torch"
+    monkeypatch.setenv("TRITONMM_BACKEND", "triton")
+    monkeypatch.setenv("TRITONMM_KERNEL", "splitk")
+    assert tritonmm.explain(a, b).kernel == "splitk"

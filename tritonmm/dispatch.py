@@ -80,7 +80,8 @@ def forced() -> tuple[str, str, dict | None]:
     """
     ctx = _forced.get()
     if ctx is not None:
-        return ctx
+        backend, kernel, config = ctx
+        return backend, kernel, dict(config) if config is not None else None
     return _env_choice("TRITONMM_BACKEND", BACKENDS), _env_choice("TRITONMM_KERNEL", KERNELS), None
 
 
@@ -106,7 +107,8 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if config is not None and kernel == "auto":
         raise ValueError("a forced config needs a forced kernel")
-    token = _forced.set((backend, kernel, config))
+    frozen = tuple(sorted(config.items())) if config is not None else None  # hashable: part of cache keys
+    token = _forced.set((backend, kernel, frozen))
     try:
         yield
     finally:

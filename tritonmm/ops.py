@@ -8,54 +8,14 @@ floating inputs to the autocast dtype as torch.matmul / F.linear do.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from . import dispatch, shapes
+from . import engine, shapes
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
-
-
-def _apply_activation(x: Tensor, activation: str) -> Tensor:
-    if activation == "relu":
-        return torch.relu_(x)
-    if activation in ("gelu", "gelu_tanh"):
-        return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
-    if activation == "silu":
-        return F.silu(x, inplace=True)
-    return x
-
-
-_alloc = torch.empty  # output allocator; tests swap in a NaN-filling one to catch unwritten tiles
-
-
-def _run_triton(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, activation) -> Tensor:
-    """Allocate the output and run the chosen kernel (or no kernel, for empty problems)."""
-    out = _alloc(plan.out_shape, dtype=dtype, device=device)
-    if decision.kernel == "none":
-        if out.numel():  # K == 0: the sum over K is empty
-            fill = torch.zeros((), dtype=torch.float32, device=device)
-            if bias is not None:
-                fill = bias.to(torch.float32)
-            out.copy_(_apply_activation(fill.expand(out.shape).clone(), activation))
-        return out
-    from .kernels import matmul as km
-
-    c4 = plan.c4(out)
-    # Triton launches on the current device: make it the operands' one (tensors on another GPU)
-    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with guard:
-        if decision.kernel == "tma":
-            a2, b2 = km.tma_view(plan.a4[0, 0]), km.tma_view(plan.b4[0, 0])
-            km.launch_tma(a2, b2, c4[0, 0], bias, activation, decision.config)
-        else:
-            km.launch_pointer(plan.a4, plan.b4, c4, bias, activation, decision.config,
-                              split_k=decision.kernel == "splitk")
-    return out
 
 
 # --------------------------------------------------------------------------- matmul
@@ -63,12 +23,7 @@ def _run_triton(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, b
 
 @torch.library.custom_op("tritonmm::matmul", mutates_args=())
 def _matmul_op(a: Tensor, b: Tensor) -> Tensor:
-    shapes.check_inputs(a, b)
-    plan = shapes.plan(a, b)
-    decision = dispatch.decide(plan, a.dtype, a.device)
-    if decision.backend == "torch":
-        return torch.matmul(a, b).contiguous()
-    return _run_triton(plan, decision, a.dtype, a.device, None, "none")
+    return engine.matmul(a, b)
 
 
 @_matmul_op.register_fake
@@ -150,15 +105,7 @@ def check_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: 
 
 @torch.library.custom_op("tritonmm::linear", mutates_args=())
 def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
-    check_linear(x, weight, bias, activation)
-    wt = weight.t()
-    plan = shapes.plan(x, wt)
-    decision = dispatch.decide(plan, x.dtype, x.device)
-    if decision.backend == "torch":
-        return _apply_activation(F.linear(x, weight, bias), activation).contiguous()
-    if bias is not None and bias.dim() != 1 or bias is not None and bias.shape[0] != weight.shape[0]:
-        bias = bias.reshape(-1).expand(weight.shape[0])
-    return _run_triton(plan, decision, x.dtype, x.device, bias, activation)
+    return engine.linear(x, weight, bias, activation)
 
 
 @_linear_op.register_fake

@@ -65,12 +65,14 @@ class Plan:
         b4: (B0, B1, K, N) view of B.
         out_shape: the shape torch.matmul returns.
         c_strides: (stride_b0, stride_b1) of the contiguous output seen as (B0, B1, M, N).
+        copied: the operands had to be copied (more than two batch levels that cannot merge).
     """
 
     a4: torch.Tensor
     b4: torch.Tensor
     out_shape: tuple
     c_strides: tuple
+    copied: bool = False
 
     @property
     def M(self) -> int:
@@ -151,9 +153,10 @@ def plan(a: torch.Tensor, b: torch.Tensor) -> Plan:
         acc *= size
     strides = [ae.stride()[:-2], be.stride()[:-2], tuple(c_batch_strides)]
     levels = _coalesce(batch, strides)
-    if len(levels) > 2:  # rare: three batch levels that cannot be merged; pay for copies
+    copied = len(levels) > 2
+    if copied:  # rare: three batch levels that cannot be merged; pay for copies
         ae, be = ae.contiguous(), be.contiguous()
         levels = _coalesce(batch, [ae.stride()[:-2], be.stride()[:-2], tuple(c_batch_strides)])
     c_strides = tuple(lv[1][2] for lv in levels)
     c_strides = (0,) * (2 - len(c_strides)) + c_strides
-    return Plan(_as4(ae, levels, 0, M, K), _as4(be, levels, 1, K, N), out_shape, c_strides)
+    return Plan(_as4(ae, levels, 0, M, K), _as4(be, levels, 1, K, N), out_shape, c_strides, copied)

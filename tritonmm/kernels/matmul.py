@@ -23,6 +23,7 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from .._env import autotune_enabled, interpreting
 from . import configs as _cfg
@@ -244,14 +245,12 @@ def _matmul_tma_kernel(
 
 # --------------------------------------------------------------------------- launch helpers
 
-
 _BIG = 256  # the largest block edge in any config; bounds index overshoot in the INT64 check
 
 
-def _needs_int64(t: torch.Tensor) -> bool:
-    """Whether an in-kernel element offset into ``t`` (last two dims) can pass 2**31."""
-    reach = sum((size + _BIG) * abs(stride) for size, stride in zip(t.shape[-2:], t.stride()[-2:]))
-    return reach >= 2**31
+def needs_int64(*operands) -> bool:
+    """Whether an in-kernel element offset can pass 2**31: operands given as (rows, cols, row stride, col stride)."""
+    return any((r + _BIG) * abs(sr) + (c + _BIG) * abs(sc) >= 2**31 for r, c, sr, sc in operands)
 
 
 def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -261,19 +260,15 @@ def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
     return "tf32"
 
 
-def _layout_code(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Autotune-key tag of the operand layouts: bit 0 = A column-major, bit 1 = B column-major."""
-    return int(a.stride(-1) != 1) | (int(b.stride(-1) != 1) << 1)
-
-
 def _early_prune(kernel: str, configs, named_args, **kwargs):
     """``early_config_prune`` for ``triton.autotune``: see :func:`configs.prune`."""
     a, c = named_args["a_ptr"], named_args["c_ptr"]
     smem, sms = _cfg.device_limits(a.device.index if a.device.index is not None else torch.cuda.current_device())
     dicts = [_cfg.from_triton(c_) for c_ in configs]
+    out_itemsize = c.element_size() if kernel != "splitk" else a.element_size()
     kept = _cfg.prune(
         dicts, M=named_args["M"], N=named_args["N"], K=named_args["K"], itemsize=a.element_size(),
-        out_itemsize=c.element_size(), kernel=kernel, smem_limit=smem, num_sms=sms,
+        out_itemsize=out_itemsize, kernel=kernel, smem_limit=smem, num_sms=sms,
     )
     return [configs[dicts.index(k)] for k in kept]
 
@@ -302,15 +297,12 @@ _tune_lock = threading.Lock()  # Autotuner.run keeps per-call state on the objec
 
 
 def _torch_alloc(size: int, alignment: int, stream):
-    """Scratch memory for device-side TMA descriptors, from torch's caching allocator."""
+    """Scratch memory for device-side TMA descriptors, from torch's caching allocator (current device)."""
     return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
 
 
 def _ensure_allocator() -> None:
-    from triton.runtime import _allocation
-
-    current = _allocation._allocator.get()
-    if isinstance(current, _allocation.NullAllocator):
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_alloc)
 
 
@@ -331,128 +323,152 @@ def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
     return x
 
 
-# --------------------------------------------------------------------------- launchers
-
-
-def _fixed_config(kernel: str, config, M, N, K, a, c):
+def _fixed_config(kernel: str, config, M, N, K, dtype: torch.dtype, device: torch.device):
     """The config to launch without autotuning, or None to autotune.
 
     An explicit config wins; under the interpreter, its single config; with
     ``TRITONMM_AUTOTUNE=0``, the quantization heuristic's pick.
     """
     if config is not None:
-        return config
+        return dict(config)
     if interpreting():
         return _cfg.interpreter_config(kernel)
     if not autotune_enabled():
-        return _cfg.heuristic(kernel, M, N, K, a.element_size(), c.element_size(), a.device)
+        size = torch.tensor([], dtype=dtype).element_size()
+        return _cfg.heuristic(kernel, M, N, K, size, size, device)
     return None
 
 
-def launch_pointer(a4, b4, c4, bias=None, activation="none", config=None, split_k=False):
-    """C4 = act(A4 @ B4 + bias) with the pointer kernel.
+# --------------------------------------------------------------------------- launchers
+#
+# A launcher is built once per problem geometry (sizes, strides, dtype, epilogue) and then
+# only receives the tensors: the per-call cost is one Triton launch. Before its first launch
+# an autotuned launcher runs @triton.autotune; afterwards it launches the chosen config directly.
+
+
+def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=None, activation="none",
+                     config=None, split_k=False):
+    """A launcher ``(a, b, c, bias) -> None`` of the pointer kernel for one problem geometry.
 
     Args:
-        a4 (Tensor): (B0, B1, M, K) view, any strides (stride 0 broadcasts batch dims).
-        b4 (Tensor): (B0, B1, K, N) view, same dtype and device.
-        c4 (Tensor): (B0, B1, M, N) output view, written in place.
-        bias (Tensor, optional): (N,), added in the epilogue.
+        M, N, K, B0, B1 (int): GEMM sizes and the two batch levels.
+        sa, sb, sc (tuple): 4 strides (batch0, batch1, row, col) in elements of A (B0, B1, M, K),
+            B (B0, B1, K, N) and C (B0, B1, M, N); the tensors passed later point at element 0.
+        dtype, device: of A, B and C.
+        bias_stride (int, optional): the (N,) bias's stride; None: no bias.
         activation (str): one of :data:`ACTIVATIONS`.
-        config (dict, optional): explicit config; default: autotuned (GPU) or the interpreter config.
-        split_k (bool): split K over ``SPLIT_K`` programs (needs B0 = B1 = 1).
-
-    Returns:
-        dict: the config that ran (for split-K, as chosen by the autotuner).
+        config (dict, optional): explicit config; default: autotuned (GPU), the interpreter's, or the heuristic's.
+        split_k (bool): split K over ``SPLIT_K`` programs, fp32 partials reduced here (needs B0 = B1 = 1).
     """
-    B0, B1, M, K = a4.shape
-    N = b4.shape[-1]
     kernel = "splitk" if split_k else "pointer"
-    config = _fixed_config(kernel, config, M, N, K, a4, c4)
-    int64 = _needs_int64(a4) or _needs_int64(b4) or _needs_int64(c4)
+    state = {"config": _fixed_config(kernel, config, M, N, K, dtype, device)}
     if split_k:
         assert B0 == 1 and B1 == 1, "split-K takes one GEMM"
-        max_split = config["SPLIT_K"] if config else max(c["SPLIT_K"] for c in _cfg.candidates("splitk"))
-        out = torch.empty((max_split, M, N), dtype=torch.float32, device=c4.device)
-        c_args = (out, 0, 0, out.stride(1), out.stride(2), out.stride(0))
-    else:
-        c_args = (c4, c4.stride(0), c4.stride(1), c4.stride(2), c4.stride(3), 0)
-    args = (
-        a4, b4, c_args[0], bias if bias is not None else c_args[0],
-        M, N, K, B1,
-        a4.stride(0), a4.stride(1), a4.stride(2), a4.stride(3),
-        b4.stride(0), b4.stride(1), b4.stride(2), b4.stride(3),
-        *c_args[1:], bias.stride(0) if bias is not None else 0,
-        _cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K), _layout_code(a4, b4),
-    )
-    meta = dict(
-        INT64=int64, HAS_BIAS=bias is not None, ACTIVATION=activation if not split_k else "none",
-        INPUT_PRECISION=_input_precision(a4.dtype, a4.device),
-        UPCAST=interpreting() and a4.dtype == torch.bfloat16,
-    )
+        sc = (0, 0, N, 1)
+    int64 = needs_int64((M, K, sa[2], sa[3]), (K, N, sb[2], sb[3]), (M, N, sc[2], sc[3]))
+    layout = int(sa[3] != 1) | (int(sb[3] != 1) << 1)
+    ints = (M, N, K, B1, *sa, *sb, *sc, M * N if split_k else 0, bias_stride or 0,
+            _cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K), layout)
+    meta = dict(INT64=int64, HAS_BIAS=bias_stride is not None, ACTIVATION="none" if split_k else activation,
+                INPUT_PRECISION=_input_precision(dtype, device),
+                UPCAST=interpreting() and dtype == torch.bfloat16)
     if not split_k:
         meta["SPLIT_K"] = 1
+    tiles = B0 * B1
 
     def grid(META):
-        return (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]) * B0 * B1, META.get("SPLIT_K", 1))
+        return (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]) * tiles, META.get("SPLIT_K", 1))
 
-    if config is not None:
-        _matmul_kernel[grid](*args, **meta, **config, EVEN_K=K % config["BLOCK_K"] == 0)
-        ran = dict(config)
-    else:
-        tuner = autotuned(kernel)
-        with _tune_lock:
-            tuner[grid](*args, **meta)
-            ran = _cfg.from_triton(tuner.best_config)
-    if split_k:
-        acc = out[: ran["SPLIT_K"]].sum(dim=0)
-        if bias is not None:
-            acc += bias.to(torch.float32)
-        c4[0, 0].copy_(_act(acc, activation))
-    return ran
+    def launch(a, b, c, bias):
+        cfg = state["config"]
+        target = c
+        if split_k:
+            splits = cfg["SPLIT_K"] if cfg else max(x["SPLIT_K"] for x in _cfg.candidates("splitk"))
+            target = torch.empty((splits, M, N), dtype=torch.float32, device=c.device)
+        args = (a, b, target, bias if bias is not None else target, *ints)
+        if cfg is None:
+            tuner = autotuned(kernel)
+            with _tune_lock:
+                tuner[grid](*args, **meta)
+                cfg = state["config"] = _cfg.from_triton(tuner.best_config)
+        else:
+            _matmul_kernel[grid({**cfg, **meta})](*args, **meta, **cfg, EVEN_K=K % cfg["BLOCK_K"] == 0)
+        if split_k:
+            acc = target[: cfg["SPLIT_K"]].sum(dim=0)
+            if bias is not None:
+                acc += bias.to(torch.float32)
+            c.view(M, N).copy_(_act(acc, activation))
+
+    launch.state = state
+    return launch
 
 
-def launch_tma(a2, b2, c2, bias=None, activation="none", config=None):
-    """C2 = act(A2 @ B2 + bias) with the persistent TMA kernel.
+def tma_launcher(M, N, K, a_trans, stride_a, b_trans, stride_b, dtype, device, bias_stride=None,
+                 activation="none", config=None):
+    """A launcher ``(a, b, c, bias) -> None`` of the persistent TMA kernel for one 2-D problem.
 
     Args:
-        a2 (Tensor): (M, K) accepted by :func:`tma_compatible` (see :func:`tma_view`).
-        b2 (Tensor): (K, N) likewise (a transposed (N, K) nn.Linear weight qualifies).
-        c2 (Tensor): (M, N) output with unit column stride.
-        bias, activation, config: as in :func:`launch_pointer`.
-
-    Returns:
-        dict: the config that ran.
+        M, N, K (int): GEMM sizes.
+        a_trans, stride_a: A is read as (M, K) row-major with row stride ``stride_a`` elements, or,
+            when ``a_trans``, through its (K, M) row-major storage (see :func:`tma_layout`).
+        b_trans, stride_b: likewise for B (K, N); ``b_trans`` reads an (N, K) nn.Linear weight in place.
+        dtype, device, bias_stride, activation, config: as in :func:`pointer_launcher`.
+        C is a contiguous (M, N) tensor; it is stored through TMA when its rows are 16-byte aligned.
     """
-    M, K = a2.shape
-    N = b2.shape[1]
-    a_trans, stride_a = tma_layout(a2)
-    b_trans, stride_b = tma_layout(b2)
-    sms = num_sms(a2.device)
-    args = (
-        a2, b2, c2, bias if bias is not None else c2, M, N, K,
-        stride_a, stride_b, c2.stride(0), bias.stride(0) if bias is not None else 0,
-        _cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K),
-    )
-    meta = dict(
-        NUM_SMS=sms, A_TRANS=a_trans, B_TRANS=b_trans,
-        C_TMA=(c2.stride(0) * c2.element_size()) % 16 == 0 and c2.data_ptr() % 16 == 0,
-        HAS_BIAS=bias is not None, ACTIVATION=activation,
-        INPUT_PRECISION=_input_precision(a2.dtype, a2.device),
-        UPCAST=interpreting() and a2.dtype == torch.bfloat16,
-    )
+    state = {"config": _fixed_config("tma", config, M, N, K, dtype, device)}
+    sms = num_sms(device)
+    esize = torch.tensor([], dtype=dtype).element_size()
+    ints = (M, N, K, stride_a, stride_b, N, bias_stride or 0, _cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K))
+    meta = dict(NUM_SMS=sms, A_TRANS=a_trans, B_TRANS=b_trans, C_TMA=(N * esize) % 16 == 0,
+                HAS_BIAS=bias_stride is not None, ACTIVATION=activation,
+                INPUT_PRECISION=_input_precision(dtype, device), UPCAST=interpreting() and dtype == torch.bfloat16)
 
     def grid(META):
         return (min(sms, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)
 
-    _ensure_allocator()
-    config = _fixed_config("tma", config, M, N, K, a2, c2)
-    if config is not None:
-        _matmul_tma_kernel[grid](*args, **meta, **config)
-        return dict(config)
-    tuner = autotuned("tma")
-    with _tune_lock:
-        tuner[grid](*args, **meta)
-        return _cfg.from_triton(tuner.best_config)
+    def launch(a, b, c, bias):
+        _ensure_allocator()
+        cfg = state["config"]
+        args = (a, b, c, bias if bias is not None else c, *ints)
+        if cfg is None:
+            tuner = autotuned("tma")
+            with _tune_lock:
+                tuner[grid](*args, **meta)
+                state["config"] = _cfg.from_triton(tuner.best_config)
+        else:
+            _matmul_tma_kernel[grid(cfg)](*args, **meta, **cfg)
+
+    launch.state = state
+    return launch
+
+
+def launch_pointer(a4, b4, c4, bias=None, activation="none", config=None, split_k=False):
+    """C4 = act(A4 @ B4 + bias) with the pointer kernel, for (B0, B1, M, K) @ (B0, B1, K, N) views.
+
+    Returns:
+        dict: the config that ran (for autotuned launches, the autotuner's choice).
+    """
+    B0, B1, M, K = a4.shape
+    launch = pointer_launcher(M, b4.shape[-1], K, B0, B1, a4.stride(), b4.stride(), c4.stride(), a4.dtype,
+                              a4.device, None if bias is None else bias.stride(0), activation, config, split_k)
+    launch(a4, b4, c4, bias)
+    return launch.state["config"]
+
+
+def launch_tma(a2, b2, c2, bias=None, activation="none", config=None):
+    """C2 = act(A2 @ B2 + bias) with the TMA kernel; A2 (M, K) and B2 (K, N) accepted by :func:`tma_compatible`,
+    C2 a contiguous (M, N) tensor.
+
+    Returns:
+        dict: the config that ran.
+    """
+    (M, K), N = a2.shape, b2.shape[1]
+    a_trans, stride_a = tma_layout(a2)
+    b_trans, stride_b = tma_layout(b2)
+    launch = tma_launcher(M, N, K, a_trans, stride_a, b_trans, stride_b, a2.dtype, a2.device,
+                          None if bias is None else bias.stride(0), activation, config)
+    launch(a2, b2, c2, bias)
+    return launch.state["config"]
 
 
 def _is_col_major(t: torch.Tensor) -> bool:
@@ -488,6 +504,14 @@ def tma_compatible(t: torch.Tensor) -> bool:
     if unit != 1 and inner > 1:
         return False
     return lead > 0 and (lead * t.element_size()) % 16 == 0
+
+
+def tma_copy_layout(t: torch.Tensor) -> tuple[bool, int]:
+    """The :func:`tma_layout` of :func:`tma_view`'s aligned copy of ``t``, without copying."""
+    col = _is_col_major(t)
+    inner = t.shape[0] if col else t.shape[1]
+    per16 = 16 // t.element_size()
+    return col, -(-max(inner, 1) // per16) * per16
 
 
 def tma_view(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,177 @@
+"""The per-call hot path: call -> (cached) decision and launcher -> kernel.
+
+The first call with a given geometry (shapes, strides, dtypes, devices, 16-byte alignment,
+bias, activation, forcing state, float32 precision) validates the operands, builds the plan,
+asks the dispatcher and builds a launcher; later calls with the same geometry only allocate
+the output and launch. The cache is bounded (``CACHE_MAX`` entries, then cleared) and holds
+no tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import dispatch, shapes
+
+CACHE_MAX = 4096
+_cache: dict = {}
+_ENV = ("TRITONMM_BACKEND", "TRITONMM_KERNEL", "TRITONMM_AUTOTUNE", "TRITON_INTERPRET", "TRITONMM_CONFIG_DIR")
+_environ_data = getattr(os.environ, "_data", None)  # CPython's raw (encoded) environment: ~10x faster reads
+if isinstance(_environ_data, dict) and all(isinstance(k, bytes) for k in list(_environ_data)[:1]):
+    _ENV_KEYS = tuple(os.fsencode(k) for k in _ENV)
+
+    def _env_state() -> tuple:
+        return tuple(map(_environ_data.get, _ENV_KEYS))
+else:  # pragma: no cover - non-POSIX environments
+    def _env_state() -> tuple:
+        return tuple(map(os.environ.get, _ENV))
+
+
+alloc = torch.empty  # output allocator; tests swap in a NaN-filling one to catch unwritten tiles
+
+
+def apply_activation(x: Tensor, activation: str) -> Tensor:
+    """Activation in torch, in place on a fresh tensor (the torch route and K = 0)."""
+    if activation == "relu":
+        return torch.relu_(x)
+    if activation in ("gelu", "gelu_tanh"):
+        return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+    if activation == "silu":
+        return F.silu(x, inplace=True)
+    return x
+
+
+class Prepared:
+    """What one geometry needs at call time: the decision and a runner ``(a, b, bias) -> Tensor``."""
+
+    __slots__ = ("decision", "run")
+
+    def __init__(self, decision: dispatch.Decision, run: Callable):
+        self.decision = decision
+        self.run = run
+
+
+def _key(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: str) -> tuple:
+    return (
+        op, a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device, b.device,
+        a.data_ptr() & 15, b.data_ptr() & 15,
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+        activation, dispatch._forced.get(), _env_state(), torch.get_float32_matmul_precision(),
+    )
+
+
+def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, activation, torch_run) -> Callable:
+    """The runner for one geometry."""
+    out_shape = plan.out_shape
+    if decision.backend == "torch":
+        return torch_run
+    if decision.kernel == "none":
+        def run_empty(a, b, bias):
+            out = alloc(out_shape, dtype=dtype, device=device)
+            if out.numel():  # K == 0: the sum over K is empty
+                fill = bias.to(torch.float32) if bias is not None else torch.zeros((), device=device)
+                out.copy_(apply_activation(fill.expand(out.shape).clone(), activation))
+            return out
+        return run_empty
+
+    from .kernels import matmul as km
+
+    M, N, K = plan.M, plan.N, plan.K
+    bias_stride = None if bias is None else (bias.stride(0) if bias.dim() == 1 and bias.shape[0] == N else 0)
+    guard_index = device.index if device.type == "cuda" else None
+
+    if decision.kernel == "tma":
+        a2, b2 = plan.a4[0, 0], plan.b4[0, 0]
+        copy_a, copy_b = "a" in decision.copies, "b" in decision.copies
+        la = km.tma_copy_layout(a2) if copy_a else km.tma_layout(a2)
+        lb = km.tma_copy_layout(b2) if copy_b else km.tma_layout(b2)
+        launch = km.tma_launcher(M, N, K, *la, *lb, dtype, device, bias_stride, activation, decision.config)
+        sa, sb = a2.stride(), b2.stride()
+
+        def operands(a, b):
+            if copy_a:
+                a = km.tma_view(a.as_strided((M, K), sa))
+            if copy_b:
+                b = km.tma_view(b.as_strided((K, N), sb))
+            return a, b
+    else:
+        launch = km.pointer_launcher(M, N, K, plan.a4.shape[0], plan.a4.shape[1], plan.a4.stride(),
+                                     plan.b4.stride(), (*plan.c_strides, N, 1), dtype, device, bias_stride,
+                                     activation, decision.config, split_k=decision.kernel == "splitk")
+
+        def operands(a, b):
+            return a, b
+
+    def run(a, b, bias):
+        out = alloc(out_shape, dtype=dtype, device=device)
+        a, b = operands(a, b)
+        if guard_index is not None and guard_index != torch.cuda.current_device():
+            with torch.cuda.device(guard_index):  # Triton launches on the current device
+                launch(a, b, out, bias)
+        else:
+            launch(a, b, out, bias)
+        return out
+
+    run.launcher = launch
+    return run
+
+
+def prepare(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: str) -> Prepared:
+    """Validate, plan, decide and build the runner for one geometry (the cache-miss path).
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`shapes.check_inputs` / ``ops.check_linear``.
+    """
+    if op == "linear":
+        from .ops import check_linear
+
+        check_linear(a, b, bias, activation)
+        plan = shapes.plan(a, b.t())
+
+        def torch_run(x, w, bias_):
+            return apply_activation(F.linear(x, w, bias_), activation).contiguous()
+    else:
+        shapes.check_inputs(a, b)
+        plan = shapes.plan(a, b)
+
+        def torch_run(x, y, bias_):
+            return torch.matmul(x, y).contiguous()
+    decision = dispatch.decide(plan, a.dtype, a.device)
+    if plan.copied:  # operands were copied to build the views: such a geometry is planned per call
+        def run(x, y, bias_):
+            p = shapes.plan(x, y.t() if op == "linear" else y)
+            return _build(p, decision, a.dtype, a.device, bias_, activation, torch_run)(p.a4, p.b4, bias_)
+        return Prepared(decision, run)
+    return Prepared(decision, _build(plan, decision, a.dtype, a.device, bias, activation, torch_run))
+
+
+def lookup(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: str) -> Prepared:
+    """The cached :class:`Prepared` for this geometry, built on first use."""
+    key = _key(a, b, bias, activation, op)
+    entry = _cache.get(key)
+    if entry is None:
+        entry = prepare(a, b, bias, activation, op)
+        if len(_cache) >= CACHE_MAX:
+            _cache.clear()
+        _cache[key] = entry
+    return entry
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """torch.matmul semantics through the cached dispatch (the op's implementation)."""
+    return lookup(a, b, None, "none", "matmul").run(a, b, None)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+    """act(F.linear(x, weight, bias)) through the cached dispatch (the op's implementation)."""
+    return lookup(x, weight, bias, activation, "linear").run(x, weight, bias)
+
+
+def clear_cache() -> None:
+    """Forget every cached decision and launcher (e.g. after installing a new tuned table)."""
+    _cache.clear()
