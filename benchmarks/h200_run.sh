@@ -53,11 +53,16 @@ PY
     tune) T "${TUNE_TIMEOUT:-330}" python3 -m tritonmm.tune --dtype bfloat16 --time-limit "${TUNE_LIMIT:-280}" \
             --out "$OUT/tuned.json" 2>&1 | tee "$OUT/tune.log"
           mkdir -p configs/tuned && cp "$OUT/tuned.json" configs/tuned/ 2>/dev/null ;;
+    tune_nt) T 150 python3 -m tritonmm.tune --dtype bfloat16 --tags llama8b --layout nt --time-limit 110 --merge \
+               --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 | tee "$OUT/tune_nt.log" | tail -3
+             cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/tuned_merged.json" ;;
+    fuzz) T "${FUZZ_TIMEOUT:-240}" python3 -m pytest -m gpu -q --maxfail=5 --durations=10 -p no:cacheprovider \
+            tests/test_fuzz.py 2>&1 | tee "$OUT/gpu_fuzz.log" | tail -30 ;;
     tests) T "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \
              tests/test_gpu.py tests/test_fuzz.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     bench) T "${BENCH_TIMEOUT:-300}" python3 -m tritonmm.bench --dtype bfloat16 --json "$OUT/bench_bf16.json" ;;
     linear) T 200 python3 -m tritonmm.bench --linear --dtype bfloat16 --json "$OUT/bench_linear.json" ;;
-    models) T 300 python3 examples/real_models.py --json "$OUT/real_models.json" 2>&1 | tail -40 ;;
+    models) TRITONMM_AUTOTUNE=0 T 200 python3 examples/real_models.py --json "$OUT/real_models.json" 2>&1 | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done
