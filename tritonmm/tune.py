@@ -162,6 +162,7 @@ def main(argv=None) -> int:
         old = tuned.read_table(path)
         if old:
             entries = {**old["entries"], **entries}
+            measured = old.get("measurements", []) + measured
     table = {"format": tuned.FORMAT, "device": name, **sig, "torch": torch.__version__,
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "rep_ms": args.rep, "entries": entries, "measurements": measured}
