@@ -100,4 +100,9 @@ def test_fuzz_gpu(case, dtype, backend, kernel, monkeypatch):
     kind, M, N, K, *_ = case
     if M * N * K > 2**31:  # keep one example under ~0.1 s of float64 reference work
         case = (kind, min(M, 1024), N, min(K, 1024), *case[4:])
-    run_case(case, dtype, torch.device("cuda"), backend, kernel)
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # float32 takes the kernel only where torch.matmul uses TF32
+    try:
+        run_case(case, dtype, torch.device("cuda"), backend, kernel)
+    finally:
+        torch.set_float32_matmul_precision(old)
