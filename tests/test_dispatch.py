@@ -85,39 +85,68 @@ def test_fp32_follows_torch_precision(fake_hopper):
         d = decide_cuda(a, b)
         assert d.backend == "torch" and "TF32" in d.reason
         torch.set_float32_matmul_precision("high")
-        assert decide_cuda(a, b).backend == "triton"
+        assert decide_cuda(a, b).backend == "torch"  # TF32: cuBLAS by default (measured faster)
+        with tritonmm.force_backend("triton"):
+            assert decide_cuda(a, b).backend == "triton"  # but the TF32 kernel is allowed
     finally:
         torch.set_float32_matmul_precision(old)
 
 
-def test_kernel_rules_on_hopper(fake_hopper):
+def test_untabled_rules_on_hopper(fake_hopper):
     bf = torch.bfloat16
     d = decide_cuda(randn(1024, 1024, dtype=bf), randn(1024, 1024, dtype=bf))
-    assert (d.backend, d.kernel, d.copies) == ("triton", "tma", ())
-    d = decide_cuda(randn(1023, 1023, dtype=bf), randn(1023, 1023, dtype=bf))  # unaligned rows: copied
-    assert d.kernel == "tma" and d.copies == ("a", "b")
-    d = decide_cuda(randn(200, 201, dtype=bf), randn(201, 200, dtype=bf))  # unaligned and small: pointer
-    assert d.kernel == "pointer"
-    d = decide_cuda(randn(16, 4096, dtype=bf), randn(4096, 4096, dtype=bf))  # decode, few tiles: split-K
-    assert d.kernel == "splitk"
-    d = decide_cuda(randn(16, 4096, dtype=bf), randn(4096, 28672, dtype=bf))  # decode, many tiles
-    assert d.kernel == "pointer"
+    assert d.backend == "torch" and "tuned table" in d.reason  # aligned, unmeasured: cuBLAS
+    d = decide_cuda(randn(1023, 1023, dtype=bf), randn(1023, 1023, dtype=bf))  # unaligned rows: copied + TMA
+    assert (d.backend, d.kernel, d.copies) == ("triton", "tma", ("a", "b"))
+    d = decide_cuda(randn(200, 201, dtype=bf), randn(201, 200, dtype=bf))  # unaligned but small: cuBLAS
+    assert d.backend == "torch"
     d = decide_cuda(randn(8, 256, 256, dtype=bf), randn(8, 256, 256, dtype=bf))
     assert d.backend == "torch" and "batched" in d.reason
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        d = decide_cuda(randn(1023, 1023), randn(1023, 1023))
+        assert d.backend == "torch" and "float32" in d.reason
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def test_forced_kernel_choice_on_hopper(fake_hopper):
+    bf = torch.bfloat16
+
+    def forced(a, b):
+        with tritonmm.force_backend("triton"):
+            return decide_cuda(a, b)
+
+    d = forced(randn(1024, 1024, dtype=bf), randn(1024, 1024, dtype=bf))
+    assert (d.backend, d.kernel, d.copies) == ("triton", "tma", ())
+    d = forced(randn(1023, 1023, dtype=bf), randn(1023, 1023, dtype=bf))
+    assert d.kernel == "tma" and d.copies == ("a", "b")
+    d = forced(randn(200, 201, dtype=bf), randn(201, 200, dtype=bf))  # unaligned and small: pointer
+    assert d.kernel == "pointer"
+    d = forced(randn(16, 4096, dtype=bf), randn(4096, 4096, dtype=bf))  # decode, few tiles: split-K
+    assert d.kernel == "splitk"
+    d = forced(randn(16, 4096, dtype=bf), randn(4096, 28672, dtype=bf))  # decode, many tiles
+    assert d.kernel == "pointer"
+    d = forced(randn(8, 256, 256, dtype=bf), randn(8, 256, 256, dtype=bf))
+    assert d.kernel == "pointer"
     w = randn(4096, 2048, dtype=bf)  # nn.Linear weight (N, K), read transposed in place
-    d = decide_cuda(randn(512, 2048, dtype=bf), w.t())
+    d = forced(randn(512, 2048, dtype=bf), w.t())
     assert d.kernel == "tma" and d.copies == ()
 
 
 def test_no_tma_before_hopper(fake_hopper, monkeypatch):
     monkeypatch.setattr(dispatch, "_has_tma", lambda device: False)
-    d = decide_cuda(randn(1024, 1024, dtype=torch.half), randn(1024, 1024, dtype=torch.half))
+    with tritonmm.force_backend("triton"):
+        d = decide_cuda(randn(1024, 1024, dtype=torch.half), randn(1024, 1024, dtype=torch.half))
     assert d.kernel == "pointer"
+    d = decide_cuda(randn(1023, 1023, dtype=torch.half), randn(1023, 1023, dtype=torch.half))
+    assert d.backend == "torch"  # no TMA: the aligned-copy route does not exist
 
 
 def test_decision_str_names_backend_and_reason():
     s = str(dispatch.Decision("torch", None, "because"))
-    assert "cuBLAS" in s and "because" in s
+    assert "torch.matmul" in s and "because" in s
 
 
 @pytest.mark.interpreter

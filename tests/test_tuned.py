@@ -64,7 +64,8 @@ def test_lookup_gives_decisions(monkeypatch):
     assert (d.backend, d.kernel, d.config) == ("triton", "tma", cfg) and "1.20x" in d.reason
     table[key] = {**table[key], "backend": "torch"}
     assert tuned.lookup(cuda, torch.bfloat16, p).backend == "torch"
-    assert tuned.lookup(cuda, torch.float16, p) is None  # other dtype: no entry
+    assert tuned.lookup(cuda, torch.float16, p).backend == "torch"  # float16 falls back to bfloat16's entry
+    assert tuned.lookup(cuda, torch.float32, p) is None  # no float32 entry
     assert tuned.lookup(cuda, torch.bfloat16, plan(randn(3, 5, 5), randn(3, 5, 5))) is None  # batched
 
 

@@ -6,6 +6,7 @@ elementwise error against the reference is at most
     2 * (torch.matmul's own largest error)          quack's rule: at most ~2x torch's error
     + u(dtype) * max|reference|                      the rounding of the output itself
     + 4 * 2**-24 * sqrt(K) * max sqrt(A^2 @ B^2)     fp32 accumulation in another order
+    + 2**-10 * max(|A| @ |B|), with TF32 only        TF32 rounds the inputs (cuBLAS may not)
 
 Non-finite reference entries must be matched exactly (NaN by NaN, inf by the same inf).
 A missing K block or an unwritten tile errs by O(sqrt(BLOCK_K)) or O(|C|), far above this.
@@ -60,9 +61,11 @@ def error_report(
     torch_out = torch_fn(a, b)
     finite = ref[ref.isfinite()]
     scale = finite.abs().max().item() if finite.numel() else 0.0
-    a2, b2 = a.double().nan_to_num(0, 0, 0).square(), b.double().nan_to_num(0, 0, 0).square()
-    acc = contract(a2, b2)
+    a_abs, b_abs = a.double().nan_to_num(0, 0, 0).abs(), b.double().nan_to_num(0, 0, 0).abs()
+    acc = contract(a_abs.square(), b_abs.square())
     acc_scale = acc.max().sqrt().item() if acc.numel() else 0.0
+    tf32 = a.dtype == torch.float32 and rounding_unit(a.dtype, a.device) == TF32_EPS
+    abs_scale = contract(a_abs, b_abs).max().item() if tf32 and acc.numel() else 0.0
     if tri.shape != ref.shape:
         return {"tri_err": float("inf"), "torch_err": 0.0, "scale": scale, "bound": 0.0, "ok": False}
     if ref.numel() == 0:
@@ -71,6 +74,7 @@ def error_report(
     torch_err = _max_err(torch_out.double(), ref)
     K = a.shape[-1]
     bound = 2.0 * torch_err + rounding_unit(a.dtype, a.device) * scale + 4 * 2.0**-24 * K**0.5 * acc_scale
+    bound += TF32_EPS * abs_scale  # TF32 rounds each input to 10 mantissa bits: |error| <= 2^-10 sum|a||b|
     ok = tri_err == tri_err and tri_err <= bound  # NaN fails
     return {"tri_err": tri_err, "torch_err": torch_err, "scale": scale, "bound": bound, "ok": ok}
 

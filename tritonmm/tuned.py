@@ -20,6 +20,7 @@ import torch
 from .shapes import Plan
 
 FORMAT = 1
+_SIBLING = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16}
 
 
 def layout_tag(plan: Plan) -> str:
@@ -90,7 +91,10 @@ def lookup(device: torch.device, dtype: torch.dtype, plan: Plan):
     entries = _table_for(device.index if device.index is not None else torch.cuda.current_device())
     if not entries:
         return None
-    e = entries.get(entry_key(dtype, plan.M, plan.N, plan.K, layout_tag(plan)))
+    layout = layout_tag(plan)
+    e = entries.get(entry_key(dtype, plan.M, plan.N, plan.K, layout))
+    if e is None and dtype in _SIBLING:  # float16 and bfloat16 run the same kernels at the same speed
+        e = entries.get(entry_key(_SIBLING[dtype], plan.M, plan.N, plan.K, layout))
     if e is None:
         return None
     from .dispatch import Decision
