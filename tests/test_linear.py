@@ -65,7 +65,7 @@ def test_fused_activation_values(activation, dtype, kernel):
 
 def test_epilogue_is_fused(monkeypatch):
     """One kernel launch; no separate bias or activation pass over the output."""
-    from tritonmm import engine
+    from tritonmm import activations, engine
     from tritonmm.kernels import matmul as km
 
     launches = []
@@ -84,7 +84,7 @@ def test_epilogue_is_fused(monkeypatch):
     def no_torch_activation(*args, **kwargs):
         raise AssertionError("activation ran outside the kernel")
 
-    monkeypatch.setattr(engine, "apply_activation", no_torch_activation)
+    monkeypatch.setattr(activations, "apply_", no_torch_activation)
     monkeypatch.setattr(torch.nn.functional, "gelu", no_torch_activation)
     engine.clear_cache()
     x, w, b = randn(32, 48), randn(16, 48), randn(16)

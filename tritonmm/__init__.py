@@ -12,12 +12,12 @@ Public API (re-exports only; importing neither initialises CUDA nor reads files)
 from __future__ import annotations
 
 from . import ops as _ops  # registers the torch.library ops
+from .activations import ACTIVATIONS
 from .api import explain, linear, matmul
 from .dispatch import Decision, force_backend
 from .nn import TritonLinear, patch_linear, swap_linear, unpatch_linear, unswap_linear
 
 __version__ = "0.1.0"
-ACTIVATIONS = _ops.ACTIVATIONS
 
 __all__ = [
     "ACTIVATIONS",

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import dispatch, shapes
+from . import activations, dispatch, shapes
 
 CACHE_MAX = 4096
 _cache: dict = {}
@@ -33,17 +33,6 @@ else:  # pragma: no cover - non-POSIX environments
 
 
 alloc = torch.empty  # output allocator; tests swap in a NaN-filling one to catch unwritten tiles
-
-
-def apply_activation(x: Tensor, activation: str) -> Tensor:
-    """Activation in torch, in place on a fresh tensor (the torch route and K = 0)."""
-    if activation == "relu":
-        return torch.relu_(x)
-    if activation in ("gelu", "gelu_tanh"):
-        return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
-    if activation == "silu":
-        return F.silu(x, inplace=True)
-    return x
 
 
 class Prepared:
@@ -75,7 +64,7 @@ def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, 
             out = alloc(out_shape, dtype=dtype, device=device)
             if out.numel():  # K == 0: the sum over K is empty
                 fill = bias.to(torch.float32) if bias is not None else torch.zeros((), device=device)
-                out.copy_(apply_activation(fill.expand(out.shape).clone(), activation))
+                out.copy_(activations.apply_(fill.expand(out.shape).clone(), activation))
             return out
         return run_empty
 
@@ -134,7 +123,7 @@ def prepare(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: s
         plan = shapes.plan(a, b.t())
 
         def torch_run(x, w, bias_):
-            return apply_activation(F.linear(x, w, bias_), activation).contiguous()
+            return activations.apply_(F.linear(x, w, bias_), activation).contiguous()
     else:
         shapes.check_inputs(a, b)
         plan = shapes.plan(a, b)

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from . import engine, shapes
+from .activations import ACTIVATIONS
 
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
 
 # --------------------------------------------------------------------------- matmul

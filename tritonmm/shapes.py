@@ -90,11 +90,6 @@ class Plan:
     def batch(self) -> int:
         return self.a4.shape[0] * self.a4.shape[1]
 
-    def c4(self, out: torch.Tensor) -> torch.Tensor:
-        """The (B0, B1, M, N) view of an output tensor allocated as ``out_shape`` (contiguous)."""
-        B0, B1, M, _ = self.a4.shape
-        return out.as_strided((B0, B1, M, self.N), (*self.c_strides, self.N, 1))
-
 
 def _as4(t: torch.Tensor, levels: list, which: int, rows: int, cols: int) -> torch.Tensor:
     """View ``t`` (batch..., rows, cols) as (B0, B1, rows, cols) with the given coalesced batch levels."""

@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
+from .. import activations
 from .._env import autotune_enabled, interpreting
 from . import configs as _cfg
 
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -313,16 +313,6 @@ def num_sms(device: torch.device) -> int:
     return _cfg.device_limits(device.index if device.index is not None else torch.cuda.current_device())[1]
 
 
-def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "relu":
-        return torch.relu(x)
-    if activation in ("gelu", "gelu_tanh"):
-        return torch.nn.functional.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
-    if activation == "silu":
-        return torch.nn.functional.silu(x)
-    return x
-
-
 def _fixed_config(kernel: str, config, M, N, K, dtype: torch.dtype, device: torch.device):
     """The config to launch without autotuning, or None to autotune.
 
@@ -356,7 +346,7 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
             B (B0, B1, K, N) and C (B0, B1, M, N); the tensors passed later point at element 0.
         dtype, device: of A, B and C.
         bias_stride (int, optional): the (N,) bias's stride; None: no bias.
-        activation (str): one of :data:`ACTIVATIONS`.
+        activation (str): one of :data:`tritonmm.activations.ACTIVATIONS`.
         config (dict, optional): explicit config; default: autotuned (GPU), the interpreter's, or the heuristic's.
         split_k (bool): split K over ``SPLIT_K`` programs, fp32 partials reduced here (needs B0 = B1 = 1).
     """
@@ -397,7 +387,7 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
             acc = target[: cfg["SPLIT_K"]].sum(dim=0)
             if bias is not None:
                 acc += bias.to(torch.float32)
-            c.view(M, N).copy_(_act(acc, activation))
+            c.view(M, N).copy_(activations.apply_(acc, activation))
 
     launch.state = state
     return launch
