@@ -148,10 +148,15 @@ def _capability(plan: Plan, dtype: torch.dtype, device: torch.device) -> str | N
     return None
 
 
-def _kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, str, tuple]:
-    """(kernel, reason, copies) for a call that goes to Triton."""
+def tma_copies(plan: Plan) -> tuple:
+    """The operands ("a", "b") of a 2-D plan that TMA cannot read in place and must copy."""
     from .kernels import matmul as km
 
+    return tuple(n for n, t in (("a", plan.a4[0, 0]), ("b", plan.b4[0, 0])) if not km.tma_compatible(t))
+
+
+def _kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, str, tuple]:
+    """(kernel, reason, copies) for a call that goes to Triton."""
     M, N, K, batch = plan.M, plan.N, plan.K, plan.batch
     two_d = batch == 1
     if want != "auto":
@@ -161,7 +166,7 @@ def _kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, st
             return "pointer", "TMA needs compute capability 9.0+; pointer kernel", ()
         if want != "tma":
             return want, f"kernel forced to {want}", ()
-        copies = tuple(n for n, t in (("a", plan.a4[0, 0]), ("b", plan.b4[0, 0])) if not km.tma_compatible(t))
+        copies = tma_copies(plan)
         return "tma", "kernel forced to tma", copies
     if not two_d:
         return "pointer", f"batched GEMM ({batch} x {M}x{N}x{K}): pointer kernel with a batch grid axis", ()
@@ -172,7 +177,7 @@ def _kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, st
         return "pointer", f"M={M} is memory-bound: pointer kernel with small BLOCK_M", ()
     if not _has_tma(device):
         return "pointer", "no TMA before compute capability 9.0: pointer kernel", ()
-    copies = tuple(n for n, t in (("a", plan.a4[0, 0]), ("b", plan.b4[0, 0])) if not km.tma_compatible(t))
+    copies = tma_copies(plan)
     if copies and 2 * M * N * K < PAD_MIN_FLOPS:
         return "pointer", "unaligned operands, too small to pay for an aligned copy: pointer kernel", ()
     return "tma", "persistent TMA kernel", copies

@@ -97,14 +97,10 @@ def lookup(device: torch.device, dtype: torch.dtype, plan: Plan):
         e = entries.get(entry_key(_SIBLING[dtype], plan.M, plan.N, plan.K, layout))
     if e is None:
         return None
-    from .dispatch import Decision
+    from .dispatch import Decision, tma_copies
 
     ratio = e["torch_us"] / e["triton_us"] if e.get("triton_us") else 0.0
     if e["backend"] == "torch":
         return Decision("torch", None, f"tuned table: cuBLAS measured faster (Triton {ratio:.2f}x)")
-    from .kernels import matmul as km
-
-    copies = ()
-    if e["kernel"] == "tma":
-        copies = tuple(n for n, t in (("a", plan.a4[0, 0]), ("b", plan.b4[0, 0])) if not km.tma_compatible(t))
+    copies = tma_copies(plan) if e["kernel"] == "tma" else ()
     return Decision("triton", e["kernel"], f"tuned table: measured {ratio:.2f}x cuBLAS", config=e["config"], copies=copies)
