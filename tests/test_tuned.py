@@ -1,12 +1,11 @@
 """Tuned tables: choosing a winner per key, reading tables safely, and the dispatcher's use of them."""
 
 import json
-import warnings
 
 import pytest
 import torch
 
-from tritonmm import dispatch, tuned
+from tritonmm import tuned
 from tritonmm.shapes import plan
 from tritonmm.testing import randn
 from tritonmm.tune import choose

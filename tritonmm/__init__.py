@@ -11,7 +11,7 @@ Public API (re-exports only; importing neither initialises CUDA nor reads files)
 
 from __future__ import annotations
 
-from . import ops as _ops  # registers the torch.library ops
+from . import ops as _ops  # noqa: F401  (registers the torch.library ops)
 from .activations import ACTIVATIONS
 from .api import explain, linear, matmul
 from .dispatch import Decision, force_backend

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import dispatch, engine, ops, shapes
+from . import dispatch, engine, ops
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
