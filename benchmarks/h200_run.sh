@@ -6,6 +6,9 @@
 #   bench   python -m tritonmm.bench --dtype bfloat16 -> $OUT/bench_bf16.json
 #   linear  python -m tritonmm.bench --linear -> $OUT/bench_linear.json
 #   models  examples/real_models.py -> $OUT/real_models.json
+#   gpu_all every gpu-marked test -> $OUT/gpu_all.log
+#   stress  python -m tritonmm.stress -> $OUT/stress.json
+#   dist    examples/train_distributed.py, ddp/fsdp/tp x tritonmm on/off on every GPU -> $OUT/dist_runs.json
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -63,6 +66,32 @@ PY
     bench) T "${BENCH_TIMEOUT:-300}" python3 -m tritonmm.bench --dtype bfloat16 --json "$OUT/bench_bf16.json" ;;
     linear) T 200 python3 -m tritonmm.bench --linear --dtype bfloat16 --json "$OUT/bench_linear.json" ;;
     models) TRITONMM_AUTOTUNE=0 T 200 python3 examples/real_models.py --json "$OUT/real_models.json" 2>&1 | tail -40 ;;
+    gpu_all) T "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q --maxfail=10 --durations=20 -p no:cacheprovider \
+               tests/ 2>&1 | tee "$OUT/gpu_all.log" | tail -60 ;;
+    reliability) T "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=10 --durations=20 -p no:cacheprovider \
+               tests/test_gpu_reliability.py 2>&1 | tee "$OUT/gpu_reliability.log" | tail -60 ;;
+    stress) T "${STRESS_TIMEOUT:-240}" python3 -m tritonmm.stress ${STRESS_ARGS:-} --json "$OUT/stress.json" 2>&1 \
+              | tee "$OUT/stress.log" | tail -20 ;;
+    dist) n=$(nvidia-smi -L | wc -l); mkdir -p /tmp/dist
+          for par in ${DIST_PARALLEL:-ddp fsdp tp}; do for on in on off; do
+            T 200 torchrun --nproc-per-node="$n" --master-port=29$((RANDOM % 900 + 100)) examples/train_distributed.py \
+              --parallel "$par" --tritonmm "$on" --steps "${DIST_STEPS:-50}" --json "/tmp/dist/$par-$on.json" 2>&1 \
+              | grep -v "^W\|UserWarning\|warnings.warn" | tail -4
+          done; done 2>&1 | tee "$OUT/dist.log"
+          python3 - "$OUT/dist_runs.json" <<'PY'
+import glob, json, sys
+runs = {p.split("/")[-1][:-5]: json.load(open(p)) for p in sorted(glob.glob("/tmp/dist/*.json"))}
+json.dump(runs, open(sys.argv[1], "w"), indent=1)
+for par in ("ddp", "fsdp", "tp"):
+    on, off = runs.get(f"{par}-on"), runs.get(f"{par}-off")
+    if on and off:
+        d = [abs(x - y) for x, y in zip(on["losses"], off["losses"])]
+        r = [abs(x - y) / abs(y) for x, y in zip(on["losses"], off["losses"])]
+        print(f"{par}: steps {len(d)}, loss first {off['losses'][0]:.4f} last on {on['losses'][-1]:.4f} off "
+              f"{off['losses'][-1]:.4f}, max |diff| {max(d):.4g}, max rel {max(r):.3g}, "
+              f"median step on {on['median_step_ms']:.1f} ms off {off['median_step_ms']:.1f} ms")
+PY
+          ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -11,6 +11,7 @@ Public API (re-exports only; importing neither initialises CUDA nor reads files)
 
 from __future__ import annotations
 
+from . import distributed as _distributed
 from . import ops as _ops  # noqa: F401  (registers the torch.library ops)
 from .activations import ACTIVATIONS
 from .api import explain, linear, matmul
@@ -18,6 +19,8 @@ from .dispatch import Decision, force_backend
 from .nn import TritonLinear, patch_linear, swap_linear, unpatch_linear, unswap_linear
 
 __version__ = "0.1.0"
+
+_distributed.install()  # DTensor sharding strategies, registered once torch.distributed.tensor is imported
 
 __all__ = [
     "ACTIVATIONS",

@@ -22,3 +22,19 @@ def autotune_enabled() -> bool:
     if raw in ("0", "false", "off", "no"):
         return False
     raise ValueError(f"environment variable TRITONMM_AUTOTUNE={os.environ['TRITONMM_AUTOTUNE']!r} is not 0 or 1")
+
+
+def deterministic_configs() -> bool:
+    """Whether kernel configs must not be chosen by timing: torch.distributed runs with more than one rank
+    and ``TRITONMM_AUTOTUNE`` is unset.
+
+    Timings differ between GPUs, so autotuning could give ranks different configs and, for
+    the same inputs, results that differ in the last bits. Then every rank uses the shipped
+    tuned table or the quantization heuristic, both pure functions of the shape and the GPU
+    model. Setting ``TRITONMM_AUTOTUNE=1`` explicitly autotunes on each rank anyway.
+    """
+    if os.environ.get("TRITONMM_AUTOTUNE", "").strip():
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -13,7 +13,7 @@ def apply_(x: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "relu":
         return torch.relu_(x)
     if activation in ("gelu", "gelu_tanh"):
-        return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return torch.ops.aten.gelu_(x, approximate="tanh" if activation == "gelu_tanh" else "none")
     if activation == "silu":
         return F.silu(x, inplace=True)
     return x

@@ -9,14 +9,16 @@ no tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import activations, dispatch, shapes
+from . import activations, dispatch, shapes, workspace
 
 CACHE_MAX = 4096
 _cache: dict = {}
@@ -33,6 +35,11 @@ else:  # pragma: no cover - non-POSIX environments
 
 
 alloc = torch.empty  # output allocator; tests swap in a NaN-filling one to catch unwritten tiles
+
+
+class KernelFailedWarning(RuntimeWarning):
+    """A Triton kernel failed for a geometry (every config failed to compile or ran out of
+    resources); that geometry is served by torch.matmul from then on."""
 
 
 class Prepared:
@@ -62,9 +69,10 @@ def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, 
     if decision.kernel == "none":
         def run_empty(a, b, bias):
             out = alloc(out_shape, dtype=dtype, device=device)
-            if out.numel():  # K == 0: the sum over K is empty
-                fill = bias.to(torch.float32) if bias is not None else torch.zeros((), device=device)
-                out.copy_(activations.apply_(fill.expand(out.shape).clone(), activation))
+            if out.numel():  # K == 0: the sum over K is empty, so every row is act(bias) (or act(0) = 0)
+                fill = bias.to(torch.float32).reshape(-1) if bias is not None else torch.zeros(1, device=device)
+                fill = activations.apply_(fill.clone(), activation)
+                out.copy_(fill.reshape(()) if out.dim() == 0 else fill.expand(out.shape))
             return out
         return run_empty
 
@@ -82,11 +90,14 @@ def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, 
         launch = km.tma_launcher(M, N, K, *la, *lb, dtype, device, bias_stride, activation, decision.config)
         sa, sb = a2.stride(), b2.stride()
 
-        def operands(a, b):
+        copy_specs = [(km.tma_copy_shape(t), dtype) for t, c in ((a2, copy_a), (b2, copy_b)) if c]
+
+        def operands(a, b):  # aligned copies go to the reused workspace (see tritonmm.workspace)
+            bufs = workspace.buffers(device, copy_specs)
             if copy_a:
-                a = km.tma_view(a.as_strided((M, K), sa))
+                a = km.tma_view(a.as_strided((M, K), sa), bufs.pop(0))
             if copy_b:
-                b = km.tma_view(b.as_strided((K, N), sb))
+                b = km.tma_view(b.as_strided((K, N), sb), bufs.pop(0))
             return a, b
     else:
         launch = km.pointer_launcher(M, N, K, plan.a4.shape[0], plan.a4.shape[1], plan.a4.stride(),
@@ -135,8 +146,38 @@ def prepare(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: s
         def run(x, y, bias_):
             p = shapes.plan(x, y.t() if op == "linear" else y)
             return _build(p, decision, a.dtype, a.device, bias_, activation, torch_run)(p.a4, p.b4, bias_)
+    else:
+        run = _build(plan, decision, a.dtype, a.device, bias, activation, torch_run)
+    if decision.backend == "torch" or decision.kernel == "none":
         return Prepared(decision, run)
-    return Prepared(decision, _build(plan, decision, a.dtype, a.device, bias, activation, torch_run))
+    return _guarded(decision, run, torch_run)
+
+
+def _guarded(decision: dispatch.Decision, run: Callable, torch_run: Callable) -> Prepared:
+    """A Prepared whose runner falls back to torch, with one :class:`KernelFailedWarning`, if Triton fails.
+
+    Failures are compile errors, shared memory or register overflow and autotuning that finds
+    no runnable config (``km.LAUNCH_FAILURES``); nothing was returned to the caller, so the
+    torch result replaces the unfinished output. Later calls of the geometry go to torch directly.
+    """
+    from .kernels.matmul import LAUNCH_FAILURES
+
+    prepared = Prepared(decision, None)
+
+    def guarded(a, b, bias):
+        try:
+            return run(a, b, bias)
+        except LAUNCH_FAILURES as exc:
+            reason = f"Triton {decision.kernel} kernel failed ({type(exc).__name__}: {str(exc).strip()[:200]})"
+            warnings.warn(f"tritonmm: {reason}; this geometry now runs torch.matmul", KernelFailedWarning,
+                          stacklevel=4)
+            prepared.decision = dataclasses.replace(decision, backend="torch", kernel=None, config=None, copies=(),
+                                                    reason=reason)
+            prepared.run = torch_run
+            return torch_run(a, b, bias)
+
+    prepared.run = guarded
+    return prepared
 
 
 def lookup(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: str) -> Prepared:
@@ -151,16 +192,35 @@ def lookup(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: st
     return entry
 
 
+_STRIDED = torch.strided
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """torch.matmul semantics through the cached dispatch (the op's implementation)."""
+    """torch.matmul semantics through the cached dispatch (the op's implementation).
+
+    Sparse and other non-strided operands go to torch.matmul unchanged.
+    """
+    if a.layout is not _STRIDED or b.layout is not _STRIDED:
+        return torch.matmul(a, b)
     return lookup(a, b, None, "none", "matmul").run(a, b, None)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-    """act(F.linear(x, weight, bias)) through the cached dispatch (the op's implementation)."""
+    """act(F.linear(x, weight, bias)) through the cached dispatch (the op's implementation).
+
+    Sparse and other non-strided operands go to F.linear unchanged (after the same checks).
+    """
+    if x.layout is not _STRIDED or weight.layout is not _STRIDED or bias is not None and bias.layout is not _STRIDED:
+        from .ops import check_linear
+
+        if activation not in activations.ACTIVATIONS:
+            check_linear(x, weight, bias, activation)
+        return activations.apply_(F.linear(x, weight, bias), activation)
     return lookup(x, weight, bias, activation, "linear").run(x, weight, bias)
 
 
 def clear_cache() -> None:
-    """Forget every cached decision and launcher (e.g. after installing a new tuned table)."""
+    """Forget every cached decision and launcher (e.g. after installing a new tuned table) and
+    free this thread's workspace buffers."""
     _cache.clear()
+    workspace.release()

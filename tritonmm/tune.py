@@ -167,9 +167,7 @@ def main(argv=None) -> int:
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "rep_ms": args.rep, "entries": entries, "measurements": measured}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)  # atomic: a concurrent reader sees the old or the new table, never half of one
+    tuned.atomic_write_text(path, json.dumps(table, indent=1))  # readers never see half a table
     wins = sum(e["backend"] == "triton" for e in entries.values())
     print(f"wrote {path}: {len(entries)} entries, Triton wins {wins}, cuBLAS {len(entries) - wins}; "
           f"{time.time() - t0:.0f} s")

@@ -54,16 +54,57 @@ def tuned_dir() -> pathlib.Path:
     return config_dir() / "tuned"
 
 
+def _check_entry(key, e) -> None:
+    """Raise ValueError unless ``e`` is a well-formed table entry (configs are data: ints under known names)."""
+    from .kernels import configs as _cfg
+
+    if not isinstance(e, dict) or e.get("backend") not in ("torch", "triton"):
+        raise ValueError(f"entry {key!r}: backend must be 'torch' or 'triton'")
+    for timing in ("torch_us", "triton_us"):
+        if e.get(timing) is not None and not isinstance(e[timing], (int, float)):
+            raise ValueError(f"entry {key!r}: {timing} is not a number")
+    if e["backend"] == "triton":
+        kernel, config = e.get("kernel"), e.get("config")
+        if kernel not in ("tma", "pointer", "splitk"):
+            raise ValueError(f"entry {key!r}: unknown kernel {kernel!r}")
+        fields = set(_cfg.candidates(kernel)[0])
+        if not isinstance(config, dict) or set(config) != fields or not all(
+                type(v) is int and v >= 0 for v in config.values()):
+            raise ValueError(f"entry {key!r}: config must map {sorted(fields)} to non-negative ints, got {config!r}")
+
+
 def read_table(path: pathlib.Path) -> dict | None:
-    """Parse one table; None (with a warning) when it is unreadable, truncated or of another format."""
+    """Parse and validate one table; None (with one warning) when it is unreadable, truncated,
+    of another format or holds a malformed entry. Tables are JSON data, never executed."""
     try:
         data = json.loads(path.read_text())
         if data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
             raise ValueError(f"format {data.get('format')!r} is not {FORMAT}")
+        for key, entry in data["entries"].items():
+            _check_entry(key, entry)
         return data
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
         warnings.warn(f"tritonmm: ignoring tuned table {path}: {exc}", RuntimeWarning, stacklevel=3)
         return None
+
+
+def atomic_write_text(path: pathlib.Path, text: str) -> None:
+    """Write ``path`` through a uniquely named temporary file and ``os.replace``: concurrent
+    readers see the old or the new file, never part of one, and concurrent writers never
+    share a temporary file (the last replace wins)."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 @functools.cache

@@ -18,6 +18,7 @@ on the fp32 accumulator before the single store of C.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 
 import torch
@@ -25,8 +26,8 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from .. import activations
-from .._env import autotune_enabled, interpreting
+from .. import activations, workspace
+from .._env import autotune_enabled, deterministic_configs, interpreting
 from . import configs as _cfg
 
 
@@ -294,6 +295,42 @@ def autotuned(kernel: str):
 
 
 _tune_lock = threading.Lock()  # Autotuner.run keeps per-call state on the object
+log = logging.getLogger("tritonmm")
+
+LAUNCH_FAILURES = (triton.errors.TritonError,)
+"""What a failing config raises (compile errors, out of shared memory or registers, ptxas, an
+autotuner left with no runnable config): the engine then serves the call with torch.matmul."""
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (no benchmarking, no syncs allowed)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _capture_config(kernel: str, M, N, K, dtype: torch.dtype, device: torch.device) -> dict:
+    """A config for a first launch inside CUDA graph capture, where autotuning cannot benchmark."""
+    log.debug("%s %dx%dx%d: first launch inside CUDA graph capture, heuristic config", kernel, M, N, K)
+    size = dtype.itemsize
+    return _cfg.heuristic(kernel, M, N, K, size, size, device)
+
+
+def _autotune(kernel: str, grid, args, meta) -> dict:
+    """Run ``@triton.autotune`` once for this launch; return the winning config.
+
+    Configs that fail to compile or exceed shared memory / registers are skipped by Triton's
+    autotuner (timed as inf) and logged here at DEBUG level. If none runs, Triton raises,
+    and the caller (the engine) falls back to torch.matmul with a warning.
+    """
+    tuner = autotuned(kernel)
+    with _tune_lock:
+        tuner[grid](*args, **meta)
+        timings = dict(getattr(tuner, "configs_timings", None) or {})
+        best = tuner.best_config
+    for config, ms in timings.items():
+        bad = ms if isinstance(ms, float) else (ms[0] if ms else float("inf"))
+        if bad == float("inf"):
+            log.debug("%s: config %s failed to compile or run; skipped", kernel, config)
+    return _cfg.from_triton(best)
 
 
 def _torch_alloc(size: int, alignment: int, stream):
@@ -323,8 +360,8 @@ def _fixed_config(kernel: str, config, M, N, K, dtype: torch.dtype, device: torc
         return dict(config)
     if interpreting():
         return _cfg.interpreter_config(kernel)
-    if not autotune_enabled():
-        size = torch.tensor([], dtype=dtype).element_size()
+    if not autotune_enabled() or deterministic_configs():
+        size = dtype.itemsize
         return _cfg.heuristic(kernel, M, N, K, size, size, device)
     return None
 
@@ -371,20 +408,19 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
 
     def launch(a, b, c, bias):
         cfg = state["config"]
+        if cfg is None and capturing(c.device):
+            cfg = state["config"] = _capture_config(kernel, M, N, K, dtype, device)
         target = c
-        if split_k:
+        if split_k:  # fp32 partials and their sum live in the reused workspace (no per-call allocation)
             splits = cfg["SPLIT_K"] if cfg else max(x["SPLIT_K"] for x in _cfg.candidates("splitk"))
-            target = torch.empty((splits, M, N), dtype=torch.float32, device=c.device)
+            target, acc = workspace.buffers(c.device, [((splits, M, N), torch.float32), ((M, N), torch.float32)])
         args = (a, b, target, bias if bias is not None else target, *ints)
         if cfg is None:
-            tuner = autotuned(kernel)
-            with _tune_lock:
-                tuner[grid](*args, **meta)
-                cfg = state["config"] = _cfg.from_triton(tuner.best_config)
+            cfg = state["config"] = _autotune(kernel, grid, args, meta)
         else:
             _matmul_kernel[grid({**cfg, **meta})](*args, **meta, **cfg, EVEN_K=K % cfg["BLOCK_K"] == 0)
         if split_k:
-            acc = target[: cfg["SPLIT_K"]].sum(dim=0)
+            torch.sum(target[: cfg["SPLIT_K"]], dim=0, out=acc)
             if bias is not None:
                 acc += bias.to(torch.float32)
             c.view(M, N).copy_(activations.apply_(acc, activation))
@@ -419,12 +455,11 @@ def tma_launcher(M, N, K, a_trans, stride_a, b_trans, stride_b, dtype, device, b
     def launch(a, b, c, bias):
         _ensure_allocator()
         cfg = state["config"]
+        if cfg is None and capturing(c.device):
+            cfg = state["config"] = _capture_config("tma", M, N, K, dtype, device)
         args = (a, b, c, bias if bias is not None else c, *ints)
         if cfg is None:
-            tuner = autotuned("tma")
-            with _tune_lock:
-                tuner[grid](*args, **meta)
-                state["config"] = _cfg.from_triton(tuner.best_config)
+            state["config"] = _autotune("tma", grid, args, meta)
         else:
             _matmul_tma_kernel[grid(cfg)](*args, **meta, **cfg)
 
@@ -504,20 +539,31 @@ def tma_copy_layout(t: torch.Tensor) -> tuple[bool, int]:
     return col, -(-max(inner, 1) // per16) * per16
 
 
-def tma_view(t: torch.Tensor) -> torch.Tensor:
+def tma_copy_shape(t: torch.Tensor) -> tuple[int, int]:
+    """(rows, padded row length) of the buffer :func:`tma_view` copies ``t`` into."""
+    col, lead = tma_copy_layout(t)
+    return (t.shape[1] if col else t.shape[0]), lead
+
+
+def tma_view(t: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
     """``t`` itself when TMA can read it, else a copy with 16-byte aligned rows (same major order).
 
     The copy lives in a buffer whose rows are padded to a multiple of 16 bytes and is
     returned as a view of the exact shape; the descriptor's bounds keep the padding
     unread, so results are exact. Extra memory: the operand's size plus < 16 bytes a row.
+
+    Args:
+        t (Tensor): 2-D operand.
+        buf (Tensor, optional): a contiguous, 16-byte aligned buffer of :func:`tma_copy_shape`
+            and ``t``'s dtype to copy into (e.g. from :mod:`tritonmm.workspace`); default: a new one.
     """
     if tma_compatible(t):
         return t
     col = _is_col_major(t)
     src = t.mT if col else t  # (outer, inner), unit stride along inner once copied
-    outer, inner = src.shape
-    per16 = 16 // t.element_size()
-    lead = -(-inner // per16) * per16
-    buf = torch.empty((outer, lead), dtype=t.dtype, device=t.device)[:, :inner]
+    inner = src.shape[1]
+    if buf is None:
+        buf = torch.empty(tma_copy_shape(t), dtype=t.dtype, device=t.device)
+    buf = buf[:, :inner]
     buf.copy_(src)
     return buf.mT if col else buf

@@ -1,0 +1,68 @@
+"""Scratch memory reused across calls, like cuBLAS's workspace: split-K partial sums and aligned operand copies.
+
+One buffer per (thread, device, stream): work queued on one stream runs in order, so a buffer
+reused by the next call on that stream is never read and written at once; another stream or
+another thread gets its own buffer (two threads may queue work on one stream interleaved).
+Buffers grow to the largest request up to :data:`WORKSPACE_MAX` bytes and are kept; larger
+requests, and requests while a CUDA graph is being captured (the graph's private pool owns
+those), are plain allocations freed with the call.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+WORKSPACE_MAX = 256 << 20  # bytes per (thread, device, stream)
+_ALIGN = 256  # bytes: each view starts at a multiple (TMA wants 16, coalescing likes 128)
+_local = threading.local()
+
+
+def _stream_key(device: torch.device):
+    if device.type != "cuda":
+        return (device.type, device.index, 0)
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    return ("cuda", device.index, torch.cuda.current_stream(device).cuda_stream)
+
+
+def buffers(device: torch.device, specs) -> list[torch.Tensor]:
+    """Uninitialized contiguous tensors for one call, carved from this (thread, device, stream)'s buffer.
+
+    Args:
+        device: where the tensors live.
+        specs: a sequence of (shape, dtype).
+
+    Returns:
+        list[Tensor]: one tensor per spec, valid until the next ``buffers`` call on the same
+        thread, device and stream (use them only within one call).
+    """
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // _ALIGN) * _ALIGN
+    key = _stream_key(device)
+    if key is None or total > WORKSPACE_MAX:
+        raw = torch.empty(total, dtype=torch.uint8, device=device)
+    else:
+        cache = getattr(_local, "buffers", None)
+        if cache is None:
+            cache = _local.buffers = {}
+        raw = cache.get(key)
+        if raw is None or raw.numel() < total:
+            cache.pop(key, None)  # free the smaller buffer before allocating the larger one
+            raw = cache[key] = torch.empty(total, dtype=torch.uint8, device=device)
+    return [raw[o:o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
+
+
+def release() -> None:
+    """Free this thread's workspace buffers (every device and stream)."""
+    getattr(_local, "buffers", {}).clear()
+
+
+def held_bytes() -> int:
+    """Bytes held by this thread's workspace buffers."""
+    return sum(t.numel() for t in getattr(_local, "buffers", {}).values())
