@@ -9,6 +9,7 @@
 #   gpu_all every gpu-marked test -> $OUT/gpu_all.log
 #   stress  python -m tritonmm.stress -> $OUT/stress.json
 #   dist    examples/train_distributed.py, ddp/fsdp/tp x tritonmm on/off on every GPU -> $OUT/dist_runs.json
+#           (DIST_MODES="on off auto": auto = tritonmm on with the dispatcher choosing instead of forced Triton)
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -73,9 +74,10 @@ PY
     stress) T "${STRESS_TIMEOUT:-240}" python3 -m tritonmm.stress ${STRESS_ARGS:-} --json "$OUT/stress.json" 2>&1 \
               | tee "$OUT/stress.log" | tail -20 ;;
     dist) n=$(nvidia-smi -L | wc -l); mkdir -p /tmp/dist
-          for par in ${DIST_PARALLEL:-ddp fsdp tp}; do for on in on off; do
+          for par in ${DIST_PARALLEL:-ddp fsdp tp}; do for on in ${DIST_MODES:-on off}; do
+            flags="--tritonmm $on"; [ "$on" = auto ] && flags="--tritonmm on --backend auto"
             T 200 torchrun --nproc-per-node="$n" --master-port=29$((RANDOM % 900 + 100)) examples/train_distributed.py \
-              --parallel "$par" --tritonmm "$on" --steps "${DIST_STEPS:-50}" --json "/tmp/dist/$par-$on.json" 2>&1 \
+              --parallel "$par" $flags --steps "${DIST_STEPS:-50}" --json "/tmp/dist/$par-$on.json" 2>&1 \
               | grep -v "^W\|UserWarning\|warnings.warn" | tail -4
           done; done 2>&1 | tee "$OUT/dist.log"
           python3 - "$OUT/dist_runs.json" <<'PY'
@@ -89,7 +91,8 @@ for par in ("ddp", "fsdp", "tp"):
         r = [abs(x - y) / abs(y) for x, y in zip(on["losses"], off["losses"])]
         print(f"{par}: steps {len(d)}, loss first {off['losses'][0]:.4f} last on {on['losses'][-1]:.4f} off "
               f"{off['losses'][-1]:.4f}, max |diff| {max(d):.4g}, max rel {max(r):.3g}, "
-              f"median step on {on['median_step_ms']:.1f} ms off {off['median_step_ms']:.1f} ms")
+              f"median step on {on['median_step_ms']:.1f} ms off {off['median_step_ms']:.1f} ms, "
+              f"sum|w| on {on['weights_abs_sum']:.12g} off {off['weights_abs_sum']:.12g}, paths {on['gemm_paths_rank0']}")
 PY
           ;;
     *) echo "unknown step $step" ;;

@@ -24,6 +24,7 @@ time; ``--json`` writes both. Without GPUs it runs on CPU with gloo (slow; for s
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -102,6 +103,36 @@ def batches(args, rank: int, device):
         yield torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(device)
 
 
+def fingerprint(model) -> float:
+    """Sum of |w| over all weights in float64 (sharded ones gathered; call on every rank): a sensitive
+    check that two runs ended with the same weights."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0.0
+    for p in model.parameters():
+        t = p.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        total += t.double().abs().sum().item()
+    return total
+
+
+def count_gemm_paths() -> collections.Counter:
+    """Tally, per call, the path tritonmm's dispatcher took (e.g. "triton:tma", "torch:None")."""
+    from tritonmm import engine
+
+    tally: collections.Counter = collections.Counter()
+    lookup = engine.lookup
+
+    def counted(*args):
+        prepared = lookup(*args)
+        tally[f"{prepared.decision.backend}:{prepared.decision.kernel}"] += 1
+        return prepared
+
+    engine.lookup = counted
+    return tally
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -118,6 +149,7 @@ def main(argv=None) -> int:
     model, autocast = parallelize(model, args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
     on = args.tritonmm == "on"
+    paths = count_gemm_paths()
     patch = tritonmm.patch_linear() if on else contextlib.nullcontext()
     force = tritonmm.force_backend(args.backend) if on else contextlib.nullcontext()
     losses, times = [], []
@@ -142,17 +174,18 @@ def main(argv=None) -> int:
             losses.append(reported.item())
             if rank == 0:
                 print(f"step {step:3d}  loss {losses[-1]:.5f}  {times[-1] * 1e3:.1f} ms", flush=True)
+    weights = fingerprint(model)
     warm = 5 if len(times) > 10 else 0  # the first steps compile kernels and warm caches
     median_ms = statistics.median(times[warm:]) * 1e3
     if rank == 0:
         print(f"{args.parallel} tritonmm={args.tritonmm} world={world}: final loss {losses[-1]:.5f}, "
-              f"median step {median_ms:.1f} ms (steps {warm}+)")
+              f"median step {median_ms:.1f} ms (steps {warm}+), sum|w| {weights:.10g}; tritonmm GEMM calls on rank 0: {dict(paths)}")
         if args.json:
             args.json.write_text(json.dumps({
                 "parallel": args.parallel, "tritonmm": args.tritonmm, "backend": args.backend if on else "torch",
                 "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
                 "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
-                "losses": losses, "step_ms": [t * 1e3 for t in times], "median_step_ms": median_ms}, indent=1))
+                "gemm_paths_rank0": dict(paths), "weights_abs_sum": weights, "losses": losses, "step_ms": [t * 1e3 for t in times], "median_step_ms": median_ms}, indent=1))
     dist.destroy_process_group()
     return 0
 

@@ -74,3 +74,30 @@ def test_low_precision_grads(dtype):
     ra, rb = ra.double(), rb.double()  # float64 products, rounded once to the input dtype
     torch.testing.assert_close(ga.double(), ra, rtol=2e-2, atol=2e-2 * ra.abs().max().item())
     torch.testing.assert_close(gb.double(), rb, rtol=2e-2, atol=2e-2 * rb.abs().max().item())
+
+
+def test_backward_follows_the_forwards_forcing(monkeypatch):
+    """force_backend around the forward also governs the backward GEMMs, on whichever thread autograd runs them."""
+    import threading
+
+    from tritonmm import engine
+
+    seen = []
+    lookup = engine.lookup
+
+    def spy(*args):
+        prepared = lookup(*args)
+        seen.append((threading.current_thread().name, prepared.decision.backend, args[-1]))
+        return prepared
+
+    monkeypatch.setattr(engine, "lookup", spy)
+    x = randn(33, 40).requires_grad_()
+    w = randn(24, 40).requires_grad_()
+    with tritonmm.force_backend("torch"):
+        y = tritonmm.linear(x, w, None, "gelu")
+        z = tritonmm.matmul(y, randn(24, 5))
+    backward = threading.Thread(target=lambda: z.sum().backward())  # a thread with no forcing of its own
+    backward.start()
+    backward.join()
+    assert x.grad is not None and w.grad is not None
+    assert len(seen) >= 5 and all(backend == "torch" for _, backend, _ in seen), seen

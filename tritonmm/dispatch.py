@@ -122,6 +122,17 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
         _forced.reset(token)
 
 
+@contextlib.contextmanager
+def forcing_as(state):
+    """Run a block under a forcing state captured with ``_forced.get()`` (the backward pass uses this:
+    autograd runs it on other threads, where the forward's :func:`force_backend` is not set)."""
+    token = _forced.set(state)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
 def _has_tma(device: torch.device) -> bool:
     if device.type != "cuda":
         return interpreting()

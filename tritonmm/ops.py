@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import engine, shapes
+from . import dispatch, engine, shapes
 from .activations import ACTIVATIONS
 
 
@@ -35,6 +35,7 @@ def _matmul_fake(a: Tensor, b: Tensor) -> Tensor:
 def _matmul_setup_context(ctx, inputs, output):
     a, b = inputs
     ctx.save_for_backward(a, b)
+    ctx.forced = dispatch._forced.get()  # backward runs on autograd's threads: carry force_backend over
 
 
 def matmul_grads(grad: Tensor, a: Tensor, b: Tensor, need_a: bool, need_b: bool):
@@ -68,7 +69,8 @@ def matmul_grads(grad: Tensor, a: Tensor, b: Tensor, need_a: bool, need_b: bool)
 
 def _matmul_backward(ctx, grad):
     a, b = ctx.saved_tensors
-    return matmul_grads(grad, a, b, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    with dispatch.forcing_as(ctx.forced):
+        return matmul_grads(grad, a, b, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
 
 
 _matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup_context)
@@ -117,6 +119,7 @@ def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activ
 def _linear_setup_context(ctx, inputs, output):
     x, weight, bias, activation = inputs
     ctx.activation = activation
+    ctx.forced = dispatch._forced.get()
     ctx.save_for_backward(x, weight, bias, output if activation == "relu" else None)
 
 
@@ -133,6 +136,11 @@ def _activation_backward(grad: Tensor, x, weight, bias, out, activation: str) ->
 
 
 def _linear_backward(ctx, grad):
+    with dispatch.forcing_as(ctx.forced):
+        return _linear_grads(ctx, grad)
+
+
+def _linear_grads(ctx, grad):
     x, weight, bias, out = ctx.saved_tensors
     needs = tuple(ctx.needs_input_grad) + (False, False, False)  # may omit a None bias (AOT dispatch)
     need_x, need_w, need_b = needs[0], needs[1], bias is not None and needs[2]
