@@ -4,6 +4,7 @@
 #   tune    python -m tritonmm.tune (bf16 suite) -> $OUT/tuned.json, installed into configs/tuned/
 #   tests   pytest -m gpu
 #   bench   python -m tritonmm.bench --dtype bfloat16 -> $OUT/bench_bf16.json
+#   inductor python -m tritonmm.bench --compare inductor on BENCH_TAGS (default odd square) -> $OUT/bench_inductor.*
 #   linear  python -m tritonmm.bench --linear -> $OUT/bench_linear.json
 #   models  examples/real_models.py -> $OUT/real_models.json
 #   gpu_all every gpu-marked test -> $OUT/gpu_all.log
@@ -65,6 +66,8 @@ PY
     tests) T "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \
              tests/test_gpu.py tests/test_fuzz.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     bench) T "${BENCH_TIMEOUT:-300}" python3 -m tritonmm.bench --dtype bfloat16 --json "$OUT/bench_bf16.json" ;;
+    inductor) T "${BENCH_TIMEOUT:-240}" python3 -m tritonmm.bench --dtype bfloat16 --tags ${BENCH_TAGS:-odd square} \
+                --compare inductor --json "$OUT/bench_inductor.json" --plot "$OUT/bench_inductor.png" ;;
     linear) T 200 python3 -m tritonmm.bench --linear --dtype bfloat16 --json "$OUT/bench_linear.json" ;;
     models) TRITONMM_AUTOTUNE=0 T 200 python3 examples/real_models.py --json "$OUT/real_models.json" 2>&1 | tail -40 ;;
     gpu_all) T "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q --maxfail=10 --durations=20 -p no:cacheprovider \

@@ -357,3 +357,40 @@ def test_config_out_of_shared_memory_falls_back_to_cublas():
     with tritonmm.force_backend("triton", "pointer", config=huge):
         with pytest.warns(KernelFailedWarning):
             torch.testing.assert_close(tritonmm.linear(x, w, None, "relu"), F.relu(F.linear(x, w)), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- state files on the GPU
+
+
+@pytest.mark.parametrize("content", ['{"format": 1, "entries": {"bfloat16:', "\x00\xff garbage",
+                                     '{"format": 1, "entries": {"bfloat16:4096:4096:4096:nn": {"backend": "triton", '
+                                     '"kernel": "tma", "config": {"BLOCK_M": "exec(1)"}}}}'],
+                         ids=["truncated", "binary", "malformed-entry"])
+def test_bad_tuned_table_warns_once_and_falls_back_to_defaults(content, tmp_path, monkeypatch):
+    import shutil
+    import warnings
+
+    from tritonmm import tuned
+    from tritonmm.kernels import configs as cfg
+
+    shutil.copy(cfg.config_dir() / "candidates.json", tmp_path / "candidates.json")
+    (tmp_path / "tuned").mkdir()
+    (tmp_path / "tuned" / "h200.json").write_text(content, errors="surrogateescape")
+    monkeypatch.setenv("TRITONMM_CONFIG_DIR", str(tmp_path))
+    tuned._table_for.cache_clear()
+    engine.clear_cache()
+    try:
+        problems = [(randn(4096, 4096, dtype=BF16, device="cuda"), randn(4096, 4096, dtype=BF16, device="cuda")),
+                    (randn(4095, 1000, dtype=BF16, device="cuda"), randn(1000, 4097, dtype=BF16, device="cuda"))]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                for a, b in problems:
+                    assert_matches_reference(tritonmm.matmul(a, b), a, b)
+        messages = [str(w.message) for w in caught if "ignoring tuned table" in str(w.message)]
+        assert len(messages) == 1 and "h200.json" in messages[0]
+        assert not tritonmm.explain(*problems[0]).reason.startswith("tuned table")  # no table entry used
+    finally:
+        monkeypatch.delenv("TRITONMM_CONFIG_DIR")
+        tuned._table_for.cache_clear()
+        engine.clear_cache()

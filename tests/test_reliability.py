@@ -286,18 +286,23 @@ def test_workspace_is_reused_and_bounded():
 def test_workspace_is_per_thread():
     import threading
 
-    ptrs = []
+    ptrs = {}
+    both_alive = threading.Barrier(2)
 
-    def grab():
-        ptrs.append(workspace.buffers(torch.device("cpu"), [((64,), torch.float32)])[0].data_ptr())
-        ptrs.append(workspace.buffers(torch.device("cpu"), [((64,), torch.float32)])[0].data_ptr())
+    def grab(i):
+        first = workspace.buffers(torch.device("cpu"), [((64,), torch.float32)])[0].data_ptr()
+        again = workspace.buffers(torch.device("cpu"), [((64,), torch.float32)])[0].data_ptr()
+        both_alive.wait()  # both threads hold their buffers now (a dead thread's buffer could be reused)
+        ptrs[i] = (first, again)
+        both_alive.wait()
 
-    threads = [threading.Thread(target=grab) for _ in range(2)]
+    threads = [threading.Thread(target=grab, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert ptrs[0] == ptrs[1] and ptrs[2] == ptrs[3] and ptrs[0] != ptrs[2]
+    assert ptrs[0][0] == ptrs[0][1] and ptrs[1][0] == ptrs[1][1]  # reused within a thread
+    assert ptrs[0][0] != ptrs[1][0]  # never shared between threads
 
 
 def test_engine_cache_is_bounded(monkeypatch):

@@ -4,6 +4,9 @@
     python -m tritonmm.bench --dtype bfloat16 --json out.json --csv out.csv
     python -m tritonmm.bench --linear             # fused linear+bias+GELU vs F.linear then F.gelu
     python -m tritonmm.bench --tags square odd    # a subset of the suite
+    python -m tritonmm.bench --compare inductor   # add torch.compile max-autotune (Triton templates)
+    python -m tritonmm.bench --plot bench.png     # TFLOP/s against problem size, per shape class
+    python -m tritonmm.bench --from-json benchmarks/h200_bf16.json --plot bench.png   # no GPU needed
 
 Per shape and dtype it prints tritonmm's time (µs) and TFLOP/s after dispatch, torch.matmul's,
 their ratio (torch time / tritonmm time: above 1 means tritonmm is faster), the Triton kernel
@@ -51,6 +54,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-kernel-only", action="store_true", help="skip the forced-Triton column")
     p.add_argument("--no-check", action="store_true", help="skip the float64 correctness check")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep time in ms (default 100)")
+    p.add_argument("--compare", choices=["inductor"], nargs="*", default=[],
+                   help="extra column: torch.compile(mode='max-autotune-no-cudagraphs') with Inductor's Triton "
+                        "GEMM templates on the same problems, its tuning time reported too")
+    p.add_argument("--plot", type=pathlib.Path, help="write a PNG of TFLOP/s against problem size per shape class")
+    p.add_argument("--from-json", type=pathlib.Path,
+                   help="print the table (and --plot) of an earlier --json run instead of measuring")
     p.add_argument("--json", type=pathlib.Path, help="write rows and machine facts as JSON")
     p.add_argument("--csv", type=pathlib.Path, help="write rows as CSV")
     return p.parse_args(argv)
@@ -128,13 +137,42 @@ def bench_matmul_row(shape: dict, dtype: torch.dtype, args, gen) -> dict:
     if not args.no_check:
         rep = error_report(tritonmm.matmul(a, b), a, b)
         row.update(ok=rep["ok"], err=rep["tri_err"], torch_err=rep["torch_err"])
-    for key in ("torch", "tritonmm", "kernel"):
+    if "inductor" in args.compare:
+        bench_inductor(row, torch.matmul, args, a, b)
+    for key in ("torch", "tritonmm", "kernel", "inductor"):
         if f"{key}_us" in row:
             row[f"{key}_tflops"] = flop / row[f"{key}_us"] / 1e6
     row["ratio"] = row["torch_us"] / row["tritonmm_us"]
     if "kernel_us" in row:
         row["kernel_ratio"] = row["torch_us"] / row["kernel_us"]
     return row
+
+
+def bench_inductor(row: dict, fn, args, *inputs) -> None:
+    """Add Inductor's max-autotune column to ``row``: ``fn`` compiled with only Triton GEMM templates.
+
+    Records ``inductor_tune_s`` (first call: compile and autotune, seconds), ``inductor_us``,
+    ``inductor_ratio`` (torch.matmul time / Inductor time) and ``vs_inductor`` (Inductor time /
+    tritonmm time: above 1 means tritonmm is faster).
+    """
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    with inductor_config.patch(max_autotune_gemm_backends="TRITON", max_autotune=True):
+        compiled = torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            compiled(*inputs)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - e.g. no template fits: report, keep benchmarking
+            row["inductor_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            return
+        row["inductor_tune_s"] = time.perf_counter() - t0
+        row["inductor_us"] = _bench_us(lambda: compiled(*inputs), args.rep)
+    row["inductor_ratio"] = row["torch_us"] / row["inductor_us"]
+    row["vs_inductor"] = row["inductor_us"] / row["tritonmm_us"]
 
 
 def bench_linear_row(shape: dict, dtype: torch.dtype, args, gen) -> dict:
@@ -161,8 +199,12 @@ def bench_linear_row(shape: dict, dtype: torch.dtype, args, gen) -> dict:
         rep = error_report(out, x, w, ref_fn=lambda x_, w_: F.gelu(F.linear(x_, w_, bias.double())),
                            torch_fn=lambda x_, w_: F.gelu(F.linear(x_, w_, bias)), contract=F.linear)
         row.update(kernel_ok=rep["ok"], kernel_err=rep["tri_err"], torch_err=rep["torch_err"])
+    if "inductor" in args.compare:
+        bench_inductor(row, lambda x_: F.gelu(F.linear(x_, w, bias)), args, x)
     flop = 2.0 * M * N * K
-    for key in ("torch", "tritonmm", "kernel"):
+    for key in ("torch", "tritonmm", "kernel", "inductor"):
+        if f"{key}_us" not in row:
+            continue
         row[f"{key}_tflops"] = flop / row[f"{key}_us"] / 1e6
     row["ratio"] = row["torch_us"] / row["tritonmm_us"]
     row["kernel_ratio"] = row["torch_us"] / row["kernel_us"]
@@ -186,9 +228,13 @@ def summarize(rows: list[dict]) -> list[dict]:
         classes = sorted({shape_class(r["tag"]) for r in sub}) + ["all"]
         for cls in classes:
             rs = sub if cls == "all" else [r for r in sub if shape_class(r["tag"]) == cls]
-            out.append({"dtype": dtype, "class": cls, "n": len(rs), "ratio": geomean(r["ratio"] for r in rs),
-                        "kernel_ratio": geomean(r.get("kernel_ratio") for r in rs),
-                        "min_ratio": min(r["ratio"] for r in rs)})
+            entry = {"dtype": dtype, "class": cls, "n": len(rs), "ratio": geomean(r["ratio"] for r in rs),
+                     "kernel_ratio": geomean(r.get("kernel_ratio") for r in rs),
+                     "min_ratio": min(r["ratio"] for r in rs)}
+            if any("vs_inductor" in r for r in rs):
+                entry["vs_inductor"] = geomean(r.get("vs_inductor") for r in rs)
+                entry["inductor_ratio"] = geomean(r.get("inductor_ratio") for r in rs)
+            out.append(entry)
     return out
 
 
@@ -204,11 +250,81 @@ def print_table(rows: list[dict], summary: list[dict]) -> None:
               f"{r['tritonmm_us']:>11.1f} {r['tritonmm_tflops']:>7.1f} {r['torch_us']:>9.1f} "
               f"{r['torch_tflops']:>7.1f} {r['ratio']:>6.2f} {r.get('kernel_us', float('nan')):>9.1f} "
               f"{r.get('kernel_ratio', float('nan')):>7.2f} {check:>5}")
+    if any("inductor_us" in r for r in rows):
+        print("\nInductor max-autotune (Triton templates): time, tuning time, torch.matmul time / Inductor time, "
+              "Inductor time / tritonmm time (>1: tritonmm faster)")
+        for r in rows:
+            if "inductor_us" in r:
+                print(f"{r['dtype']:8} {r['tag']:16} {r['inductor_us']:>9.1f} us {r['inductor_tune_s']:>6.1f} s "
+                      f"{r['inductor_ratio']:>6.2f} {r['vs_inductor']:>6.2f}")
+            elif "inductor_error" in r:
+                print(f"{r['dtype']:8} {r['tag']:16} Inductor failed: {r['inductor_error']}")
+    inductor = any("vs_inductor" in s for s in summary)
     print("\ngeometric mean of torch.matmul time / tritonmm time (>1: tritonmm faster)")
-    print(f"{'dtype':8} {'class':10} {'n':>3} {'dispatch':>8} {'kernel':>7} {'min':>6}")
+    print(f"{'dtype':8} {'class':10} {'n':>3} {'dispatch':>8} {'kernel':>7} {'min':>6}"
+          + (f" {'inductor':>8} {'vs ind.':>7}" if inductor else ""))
     for s in summary:
         print(f"{s['dtype']:8} {s['class']:10} {s['n']:>3} {s['ratio']:>8.3f} {s['kernel_ratio']:>7.3f} "
-              f"{s['min_ratio']:>6.2f}")
+              f"{s['min_ratio']:>6.2f}"
+              + (f" {s.get('inductor_ratio', float('nan')):>8.3f} {s.get('vs_inductor', float('nan')):>7.3f}"
+                 if inductor else ""))
+
+
+def plot(rows: list[dict], path: pathlib.Path, title: str = "") -> None:
+    """TFLOP/s of tritonmm (after dispatch), torch.matmul, the Triton kernel alone and Inductor (when
+    measured) against problem size (2·M·N·K FLOP), one panel per shape class; written with matplotlib.
+
+    Raises:
+        ImportError: matplotlib is missing (``pip install tritonmm[bench]``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker.NullFormatter below)
+
+    classes = sorted({(r["dtype"], shape_class(r["tag"])) for r in rows})
+    cols = min(3, len(classes))
+    nrows = -(-len(classes) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.8 * nrows), squeeze=False)
+    series = [("tritonmm", "tritonmm (dispatch)", "o-"), ("torch", "torch.matmul (cuBLAS)", "s--"),
+              ("kernel", "Triton kernel alone", "^:"), ("inductor", "Inductor max-autotune", "x-.")]
+    for ax, (dtype, cls) in zip(axes.flat, classes):
+        rs = sorted((r for r in rows if r["dtype"] == dtype and shape_class(r["tag"]) == cls),
+                    key=lambda r: 2.0 * r["M"] * r["N"] * r["K"])
+        flops = [2.0 * r["M"] * r["N"] * r["K"] for r in rs]
+        for key, label, style in series:
+            ys = [r.get(f"{key}_tflops") for r in rs]
+            if any(y is not None for y in ys):
+                ax.plot([f for f, y in zip(flops, ys) if y is not None], [y for y in ys if y is not None], style,
+                        label=label, markersize=4)
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # narrow ranges: no overlapping labels
+        ax.set_title(f"{cls} ({dtype})")
+        ax.set_xlabel("problem size, 2·M·N·K FLOP")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(classes):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def from_json(args) -> int:
+    """Print (and plot) an earlier run's JSON: no GPU needed."""
+    data = json.loads(args.from_json.read_text())
+    rows = data["rows"]
+    print_table(rows, summarize(rows))
+    if args.plot:
+        m = data.get("machine", {})
+        plot(rows, args.plot, f"{m.get('gpu', '?')}, torch {m.get('torch', '?')}, triton {m.get('triton', '?')}, "
+                              f"{m.get('date', '')[:10]}")
+        print(f"wrote {args.plot}")
+    return 0
 
 
 def cpu_check() -> int:
@@ -247,6 +363,8 @@ def cpu_check() -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        return from_json(args)
     if not torch.cuda.is_available():
         return cpu_check()
     try:
@@ -269,7 +387,9 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     summary = summarize(rows)
     print_table(rows, summary)
-    if args.json:
+    if args.plot:
+        facts = machine_facts()
+        plot(rows, args.plot, f"{facts.get('gpu')}, torch {facts['torch']}, triton {facts['triton']}")
         args.json.write_text(json.dumps({"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
                                          "rows": rows, "summary": summary}, indent=1))
     if args.csv:

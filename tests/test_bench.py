@@ -1,0 +1,47 @@
+"""The benchmark's bookkeeping (no timing here): summaries, the JSON replay, the plot, the CPU check."""
+
+import json
+
+import pytest
+
+from tritonmm import bench
+
+
+def _row(tag, ratio, kernel_ratio, vs_inductor=None, M=64, N=64, K=64):
+    row = {"tag": tag, "M": M, "N": N, "K": K, "dtype": "bfloat16", "backend": "torch", "tritonmm_us": 10.0,
+           "torch_us": 10.0 * ratio, "kernel_us": 10.0 * ratio / kernel_ratio, "ratio": ratio,
+           "kernel_ratio": kernel_ratio, "tritonmm_tflops": 1.0, "torch_tflops": 1.0 / ratio,
+           "kernel_tflops": 1.0}
+    if vs_inductor is not None:
+        row.update(inductor_us=10.0 * vs_inductor, vs_inductor=vs_inductor, inductor_ratio=ratio / vs_inductor,
+                   inductor_tune_s=3.0, inductor_tflops=1.0 / vs_inductor)
+    return row
+
+
+def test_summary_geometric_means_per_class():
+    rows = [_row("square-a", 2.0, 4.0, 1.5), _row("square-b", 0.5, 1.0, 1.5, M=128), _row("odd-a", 3.0, 3.0, 2.0)]
+    summary = {(s["class"]): s for s in bench.summarize(rows)}
+    assert summary["square"]["ratio"] == pytest.approx(1.0) and summary["square"]["kernel_ratio"] == pytest.approx(2.0)
+    assert summary["square"]["min_ratio"] == 0.5 and summary["square"]["vs_inductor"] == pytest.approx(1.5)
+    assert summary["all"]["n"] == 3 and summary["all"]["ratio"] == pytest.approx(3.0 ** (1 / 3))
+
+
+def test_from_json_prints_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    data = {"machine": {"gpu": "test"}, "rows": [_row("square-a", 2.0, 4.0, 1.5), _row("odd-a", 3.0, 3.0)]}
+    path, png = tmp_path / "run.json", tmp_path / "run.png"
+    path.write_text(json.dumps(data))
+    assert bench.main(["--from-json", str(path), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "square" in out and "vs ind." in out and "Inductor time / tritonmm time" in out
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_check_runs_every_kernel_path(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU check runs without a GPU")
+    assert bench.cpu_check() == 0
+    out = capsys.readouterr().out
+    assert out.count(" ok") == 18 and "FAIL" not in out  # 3 dtypes x 3 kernels x (matmul, linear)
