@@ -99,7 +99,7 @@ def test_swap_filter_and_subclasses(calls):
 
     model = nn.Sequential(nn.Linear(8, 8), MyLinear(8, 8), Custom(8, 8), nn.Linear(8, 8))
     tritonmm.swap_linear(model, filter_fn=lambda m, fqn: fqn != "3")
-    assert isinstance(model[1], MyLinear) and type(model[1]).__name__ == "TritonMyLinear"
+    assert isinstance(model[1], MyLinear) and type(model[1]).__name__ == "TritonSwappedMyLinear"
     assert type(model[2]) is Custom  # its own forward: left alone by default
     assert type(model[3]) is nn.Linear
     model(randn(2, 8))

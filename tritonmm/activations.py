@@ -17,3 +17,14 @@ def apply_(x: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "silu":
         return F.silu(x, inplace=True)
     return x
+
+
+def apply(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """``activation`` applied out of place (differentiable, any autograd or functorch mode)."""
+    if activation == "relu":
+        return F.relu(x)
+    if activation in ("gelu", "gelu_tanh"):
+        return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+    if activation == "silu":
+        return F.silu(x)
+    return x

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import dispatch, engine, ops
+from .activations import ACTIVATIONS, apply
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
@@ -20,6 +22,28 @@ def _require_tensor(name: str, value, op: str) -> None:
         raise TypeError(f"tritonmm.{op}(): argument '{name}' must be Tensor, not {type(value).__name__}")
 
 
+_fw_ad = None
+
+
+def _torch_only(*tensors) -> bool:
+    """Whether this call must be answered by torch itself: functorch transforms (vmap, grad, jvp, ...),
+    forward-mode AD (``torch.autograd.forward_ad``), or nested tensors. The custom ops support none
+    of them, while torch.matmul / F.linear support them all."""
+    global _fw_ad
+    if _functorch_active():
+        return True
+    if _fw_ad is None:
+        import torch.autograd.forward_ad as _fw_ad_module
+
+        _fw_ad = _fw_ad_module
+    if _fw_ad._current_level >= 0:
+        return True
+    for t in tensors:
+        if t is not None and t.is_nested:
+            return True
+    return False
+
+
 def _eager_fast_path(*tensors) -> bool:
     """Whether the op's implementation can be called directly, skipping the dispatcher's Python layers.
 
@@ -27,7 +51,7 @@ def _eager_fast_path(*tensors) -> bool:
     torch.compile tracing, no torch function/dispatch mode, no autocast, no functorch transform.
     The result is the same either way; this saves tens of µs per call.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:  # compile, jit.trace
         return False
     if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
         return False
@@ -40,13 +64,13 @@ def _eager_fast_path(*tensors) -> bool:
     return True
 
 
-def matmul(a: Tensor, b: Tensor) -> Tensor:
+def matmul(input: Tensor, other: Tensor) -> Tensor:
     """Matrix product with ``torch.matmul`` semantics; the GEMM runs in an autotuned Triton kernel.
 
     Args:
-        a (Tensor): (K,), (M, K) or (*batch_a, M, K); float16, bfloat16 or float32 for the Triton
-            path (other dtypes go to torch.matmul).
-        b (Tensor): (K,), (K, N) or (*batch_b, K, N); same dtype and device as ``a``.
+        input (Tensor): A, (K,), (M, K) or (*batch_a, M, K); float16, bfloat16 or float32 for the
+            Triton path (other dtypes go to torch.matmul).
+        other (Tensor): B, (K,), (K, N) or (*batch_b, K, N); same dtype and device as ``input``.
             Batch dims broadcast, stride-0 (expanded) dims included; any strides are read in place.
 
     Returns:
@@ -61,20 +85,24 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
     Falls back to torch.matmul (cuBLAS) where :func:`explain` says so: CPU tensors (outside
     ``TRITON_INTERPRET=1``), unsupported dtypes, fp32 without TF32, tiny problems, batched
-    GEMMs, and shapes where the tuned table measured cuBLAS faster.
+    GEMMs, and shapes where the tuned table measured cuBLAS faster. Sparse, nested, neg-bit
+    and zero tensors, functorch transforms and forward-mode AD are handed to torch.matmul itself.
     """
-    _require_tensor("a", a, "matmul")
-    _require_tensor("b", b, "matmul")
+    a, b = input, other
+    _require_tensor("input", a, "matmul")
+    _require_tensor("other", b, "matmul")
+    if _torch_only(a, b):
+        return torch.matmul(a, b)
     if _eager_fast_path(a, b):
         return engine.matmul(a, b)
     return torch.ops.tritonmm.matmul(a, b)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
     """``activation(F.linear(x, weight, bias))`` as one GEMM with a fused epilogue.
 
     Args:
-        x (Tensor): (*, K), float16/bfloat16/float32; any leading shape and strides.
+        input (Tensor): x, (*, K), float16/bfloat16/float32; any leading shape and strides.
         weight (Tensor): (N, K), read in its own layout (no transpose copy).
         bias (Tensor, optional): (N,), same dtype as x; added to the fp32 accumulator.
         activation (str): "none", "relu", "gelu" (erf), "gelu_tanh" or "silu", applied to the
@@ -84,15 +112,24 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
         Tensor: (*, N), dtype of x, contiguous.
 
     Raises:
-        TypeError: x or weight is not a Tensor.
+        TypeError: input, weight or bias is not a Tensor (bias may be None).
         ValueError: unknown activation.
         RuntimeError: dtypes or devices differ, weight is not 2-D, or K differs.
 
     Under ``torch.autocast`` the inputs are cast to the autocast dtype as F.linear's are.
     """
-    _require_tensor("x", x, "linear")
+    x = input
+    _require_tensor("input", x, "linear")
     _require_tensor("weight", weight, "linear")
-    if (bias is None or isinstance(bias, Tensor)) and _eager_fast_path(x, weight, bias):
+    if bias is not None:
+        _require_tensor("bias", bias, "linear")
+    if _torch_only(x, weight, bias):
+        from .ops import check_linear
+
+        if activation not in ACTIVATIONS:
+            check_linear(x, weight, bias, activation)  # raises the ValueError
+        return apply(F.linear(x, weight, bias), activation)
+    if _eager_fast_path(x, weight, bias):
         return engine.linear(x, weight, bias, activation)
     return torch.ops.tritonmm.linear(x, weight, bias, activation)
 

@@ -105,7 +105,7 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
     capability rules: float64 or a CPU tensor outside the interpreter still go to torch.
 
     Raises:
-        ValueError: unknown backend or kernel.
+        ValueError: unknown backend or kernel, or a config without exactly the kernel's fields as ints.
     """
     backend = _ALIASES.get(backend, backend)
     if backend not in BACKENDS:
@@ -114,6 +114,10 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if config is not None and kernel == "auto":
         raise ValueError("a forced config needs a forced kernel")
+    if config is not None:
+        from .kernels import configs as _cfg
+
+        _cfg.validate(kernel, config)
     frozen = tuple(sorted(config.items())) if config is not None else None  # hashable: part of cache keys
     token = _forced.set((backend, kernel, frozen))
     try:

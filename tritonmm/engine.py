@@ -195,12 +195,18 @@ def lookup(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: st
 _STRIDED = torch.strided
 
 
+def _unusual(t: Tensor) -> bool:
+    """Tensors the kernels must not read as raw strided memory: sparse (and other layouts), a pending
+    negation (``is_neg()``: views such as ``x.conj().imag``) or an efficient zero tensor (no storage)."""
+    return t.layout is not _STRIDED or t.is_neg() or t._is_zerotensor()
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """torch.matmul semantics through the cached dispatch (the op's implementation).
 
-    Sparse and other non-strided operands go to torch.matmul unchanged.
+    Sparse, neg-bit and zero tensors go to torch.matmul unchanged.
     """
-    if a.layout is not _STRIDED or b.layout is not _STRIDED:
+    if _unusual(a) or _unusual(b):
         return torch.matmul(a, b)
     return lookup(a, b, None, "none", "matmul").run(a, b, None)
 
@@ -208,9 +214,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
     """act(F.linear(x, weight, bias)) through the cached dispatch (the op's implementation).
 
-    Sparse and other non-strided operands go to F.linear unchanged (after the same checks).
+    Sparse, neg-bit and zero tensors go to F.linear unchanged (after the same checks).
     """
-    if x.layout is not _STRIDED or weight.layout is not _STRIDED or bias is not None and bias.layout is not _STRIDED:
+    if _unusual(x) or _unusual(weight) or bias is not None and _unusual(bias):
         from .ops import check_linear
 
         if activation not in activations.ACTIVATIONS:

@@ -46,12 +46,24 @@ def _swapped_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
 _swap_classes: dict[type, type] = {}
 
 
+def _new_swapped(base: type) -> nn.Module:
+    """Unpickling helper: an uninitialised instance of the swapped class of ``base`` (state follows)."""
+    return object.__new__(_swapped_class(base))
+
+
+def _swapped_reduce_ex(self, protocol):
+    # pickle / torch.save / deepcopy: rebuild through _new_swapped, so the generated class need not be importable
+    reduced = nn.Module.__reduce_ex__(self, protocol)
+    return (_new_swapped, (type(self).__dict__["_tritonmm_base"],), *reduced[2:])
+
+
 def _swapped_class(cls: type) -> type:
     """A subclass of ``cls`` (an nn.Linear subclass) whose forward runs through tritonmm."""
     if cls not in _swap_classes:
         _swap_classes[cls] = type(
-            f"Triton{cls.__name__}", (cls,), {"forward": _swapped_forward, "_tritonmm_base": cls,
-                                              "__module__": __name__}
+            f"TritonSwapped{cls.__name__}", (cls,),
+            {"forward": _swapped_forward, "_tritonmm_base": cls, "__module__": __name__,
+             "__reduce_ex__": _swapped_reduce_ex},
         )
     return _swap_classes[cls]
 
@@ -69,16 +81,23 @@ def swap_linear(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str],
     Args:
         model: any module tree.
         filter_fn: ``(module, fully_qualified_name) -> bool``, asked for each nn.Linear that uses
-            nn.Linear's own forward (subclasses with a forward of their own are never swapped);
-            default: all of them.
+            nn.Linear's own forward (subclasses with a forward of their own are never swapped, nor
+            are lazy or parametrized modules, which change their own class); default: all of them.
+
+    Swapped models pickle (``torch.save(model)``) and deep-copy as swapped models.
 
     Returns:
         The same ``model`` object.
     """
+    from torch.nn.modules.lazy import LazyModuleMixin
+    from torch.nn.utils import parametrize
+
     for fqn, module in model.named_modules():
         cls = type(module)
         if not isinstance(module, nn.Linear) or isinstance(module, TritonLinear) or "_tritonmm_base" in cls.__dict__:
             continue
+        if isinstance(module, LazyModuleMixin) or parametrize.is_parametrized(module):
+            continue  # these replace their own class (on first call / on removal): a swap would be lost or break
         if _runs_linear_forward(module) and (filter_fn is None or filter_fn(module, fqn)):
             module.__class__ = _swapped_class(cls)
     return model
@@ -99,6 +118,7 @@ def unswap_linear(model: nn.Module) -> nn.Module:
 
 _patch_lock = threading.Lock()
 _original_forward = nn.Linear.forward
+_forward_before_patch = None  # what nn.Linear.forward was when patch_linear() took over
 
 
 def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -126,16 +146,22 @@ def patch_linear() -> _Patch:
     Usable as a plain call (undo with :func:`unpatch_linear`) or as ``with tritonmm.patch_linear():``,
     which restores the previous state on exit. Modules are not touched; nothing is copied.
     """
+    global _forward_before_patch
     with _patch_lock:
         was = nn.Linear.forward is _patched_forward
-        nn.Linear.forward = _patched_forward
+        if not was:
+            _forward_before_patch = nn.Linear.forward  # another library's patch, if any, comes back on unpatch
+            nn.Linear.forward = _patched_forward
     return _Patch(was)
 
 
 def unpatch_linear() -> None:
-    """Restore ``nn.Linear.forward`` (a no-op when not patched)."""
+    """Restore the ``nn.Linear.forward`` that :func:`patch_linear` replaced (a no-op when not patched)."""
+    global _forward_before_patch
     with _patch_lock:
-        nn.Linear.forward = _original_forward
+        if nn.Linear.forward is _patched_forward:
+            nn.Linear.forward = _forward_before_patch or _original_forward
+            _forward_before_patch = None
 
 
 def is_linear_patched() -> bool:

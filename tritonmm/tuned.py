@@ -64,13 +64,10 @@ def _check_entry(key, e) -> None:
         if e.get(timing) is not None and not isinstance(e[timing], (int, float)):
             raise ValueError(f"entry {key!r}: {timing} is not a number")
     if e["backend"] == "triton":
-        kernel, config = e.get("kernel"), e.get("config")
-        if kernel not in ("tma", "pointer", "splitk"):
-            raise ValueError(f"entry {key!r}: unknown kernel {kernel!r}")
-        fields = set(_cfg.candidates(kernel)[0])
-        if not isinstance(config, dict) or set(config) != fields or not all(
-                type(v) is int and v >= 0 for v in config.values()):
-            raise ValueError(f"entry {key!r}: config must map {sorted(fields)} to non-negative ints, got {config!r}")
+        try:
+            _cfg.validate(e.get("kernel"), e.get("config"))
+        except ValueError as exc:
+            raise ValueError(f"entry {key!r}: {exc}") from None
 
 
 def read_table(path: pathlib.Path) -> dict | None:

@@ -56,6 +56,25 @@ def candidates(kernel: str) -> list[dict[str, int]]:
     return [dict(zip(table["fields"], row)) for row in table["configs"]]
 
 
+def validate(kernel: str, config) -> None:
+    """Check that ``config`` is a config of ``kernel``: the fields of its candidates, each an int
+    (>= 1; ``EPILOGUE_SUBTILE`` may be 0). Whether Triton can compile it is another matter.
+
+    Raises:
+        ValueError: unknown kernel, missing or extra fields, or a value of the wrong type or range.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    fields = set(candidates(kernel)[0])
+    if not isinstance(config, dict) or set(config) != fields:
+        got = sorted(config) if isinstance(config, dict) else type(config).__name__
+        raise ValueError(f"a {kernel} config needs exactly the fields {sorted(fields)}, got {got}")
+    for k, v in config.items():
+        low = 0 if k == "EPILOGUE_SUBTILE" else 1
+        if type(v) is not int or v < low:
+            raise ValueError(f"{kernel} config field {k} must be an int >= {low}, got {v!r}")
+
+
 def interpreter_config(kernel: str) -> dict[str, int]:
     """The one config used for ``kernel`` under ``TRITON_INTERPRET=1``."""
     return dict(_candidates_file()["interpreter"][kernel])

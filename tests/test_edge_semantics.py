@@ -1,0 +1,250 @@
+"""Corners of torch semantics found by adversarial review: tensor flags, autograd modes, module plumbing."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tritonmm
+from tritonmm.testing import randn
+
+KERNELS = ["tma", "pointer", "splitk"]
+
+
+# --------------------------------------------------------------------------- tensor flags
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_neg_bit_views_are_read_with_their_sign(kernel):
+    a = torch.randn(20, 32, dtype=torch.complex64).conj().imag  # a real view with the neg bit set
+    b = torch.randn(32, 12, dtype=torch.complex64).conj().imag
+    bias = torch.randn(12, dtype=torch.complex64).conj().imag
+    assert a.is_neg() and b.is_neg() and bias.is_neg()
+    with tritonmm.force_backend("triton", kernel):
+        torch.testing.assert_close(tritonmm.matmul(a, b), torch.matmul(a, b))
+        x = randn(5, 32)
+        torch.testing.assert_close(tritonmm.linear(x, b.t(), bias), F.linear(x, b.t(), bias))
+
+
+def test_zero_tensor_operand():
+    z = torch._efficientzerotensor((5, 7))
+    b = randn(7, 4)
+    with tritonmm.force_backend("triton"):
+        torch.testing.assert_close(tritonmm.matmul(z, b), torch.matmul(z, b))
+
+
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided])
+def test_nested_tensors_served_by_torch(layout):
+    nt = torch.nested.nested_tensor([randn(2, 7), randn(3, 7)], layout=layout)
+    w, bias = randn(4, 7), randn(4)
+    got, ref = tritonmm.linear(nt, w, bias, "relu"), F.relu(F.linear(nt, w, bias))
+    for g, r in zip(got.unbind(), ref.unbind()):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- autograd modes
+
+
+def test_complex_gradients_conjugate_like_torch():
+    a = torch.randn(3, 4, dtype=torch.complex128, requires_grad=True)
+    b = torch.randn(4, 2, dtype=torch.complex128, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, y: tritonmm.matmul(x, y), (a, b))
+    x = torch.randn(2, 3, 4, dtype=torch.complex128, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.complex128, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.complex128, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x_, w_, b_: tritonmm.linear(x_, w_, b_), (x, w, bias))
+    v = torch.randn(4, dtype=torch.complex128, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x_, y_: tritonmm.matmul(x_, y_), (v, v.detach().clone().requires_grad_()))
+
+
+@pytest.mark.parametrize("op", ["matmul", "linear"])
+def test_torch_func_transforms(op):
+    a, b = randn(4, 6, dtype=torch.float64), randn(6, 3, dtype=torch.float64)
+    if op == "matmul":
+        def ours(x):
+            return tritonmm.matmul(x, b)
+
+        def ref(x):
+            return torch.matmul(x, b)
+    else:
+        def ours(x):
+            return tritonmm.linear(x, b.t(), None, "gelu")
+
+        def ref(x):
+            return F.gelu(F.linear(x, b.t()))
+    t = torch.randn_like(a)
+    for transform in (lambda f: torch.func.jvp(f, (a,), (t,))[1], lambda f: torch.func.jacfwd(f)(a),
+                      lambda f: torch.func.jacrev(f)(a), lambda f: torch.func.grad(lambda x: f(x).sum())(a),
+                      lambda f: torch.func.vmap(f)(a.unsqueeze(1)),
+                      lambda f: torch.func.vmap(torch.func.grad(lambda x: f(x[None]).sum()))(a)):
+        got, want = transform(ours), transform(ref)
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, want)
+    h = torch.func.hessian(lambda x: ours(x).square().sum())(a)
+    torch.testing.assert_close(h, torch.func.hessian(lambda x: ref(x).square().sum())(a))
+
+
+def test_forward_ad_dual_tensors():
+    import torch.autograd.forward_ad as fwAD
+
+    a, b, t = randn(5, 7), randn(7, 3), randn(5, 7)
+    with fwAD.dual_level():
+        y = tritonmm.matmul(fwAD.make_dual(a, t), b)
+        tangent = fwAD.unpack_dual(y).tangent
+        z = tritonmm.linear(fwAD.make_dual(a, t), b.t(), None, "silu")
+        tz = fwAD.unpack_dual(z).tangent
+    torch.testing.assert_close(tangent, t @ b)
+    _, want = torch.func.jvp(lambda x: F.silu(x @ b), (a,), (t,))
+    torch.testing.assert_close(tz, want)
+
+
+@pytest.mark.parametrize("bias_shape", [(), (1,)], ids=str)
+def test_linear_backward_with_scalar_bias(bias_shape):
+    x, w = randn(5, 7).requires_grad_(), randn(4, 7).requires_grad_()
+    b = randn(*bias_shape).requires_grad_()
+    tritonmm.linear(x, w, b).square().sum().backward()
+    grads = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    F.linear(x, w, b).square().sum().backward()
+    for g, t in zip(grads, (x, w, b)):
+        assert g.shape == t.shape
+        torch.testing.assert_close(g, t.grad)
+
+
+@pytest.mark.parametrize("sx,sw", [((5, 0), (4, 0)), ((5, 7), (0, 7)), ((0, 7), (4, 7))], ids=str)
+def test_backward_with_zero_size_dims(sx, sw):
+    x, w = randn(*sx).requires_grad_(), randn(*sw).requires_grad_()
+    tritonmm.linear(x, w).sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    assert not x.grad.any() and not w.grad.any()
+    a, b = randn(2, 5, 7).requires_grad_(), randn(7, 0).requires_grad_()
+    tritonmm.matmul(a, b).sum().backward()
+    assert a.grad.shape == a.shape and not a.grad.any() and b.grad.shape == b.shape
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu"])
+def test_double_backward(activation):
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x_, w_: tritonmm.linear(x_, w_, None, activation), (x, w))
+
+
+def test_only_needed_tensors_are_saved():
+    """In-place updates that torch.matmul / F.linear tolerate between forward and backward are fine here too."""
+    x, w = randn(6, 7), randn(4, 7).requires_grad_()
+    bias = randn(4).requires_grad_()
+    y = tritonmm.linear(x, w, bias)
+    with torch.no_grad():
+        bias.add_(1.0)  # bias is not needed by the backward of a linear without activation
+    y.sum().backward()
+    torch.testing.assert_close(w.grad, torch.ones(6, 4).t() @ x)
+    p = randn(5, 7).requires_grad_()
+    a = p * 2
+    y = tritonmm.matmul(a, randn(7, 4))
+    a.relu_()  # a is not needed for dA
+    y.sum().backward()
+    assert p.grad.shape == p.shape
+
+
+def test_backward_graph_saves_no_unneeded_operand():
+    x, w = randn(6, 7).requires_grad_(), randn(4, 7)  # weight needs no grad: dX needs W, nothing needs X
+    saved = tritonmm.matmul(x, w.t()).grad_fn.saved_tensors
+    assert saved[0] is None and saved[1].shape == (7, 4)
+
+
+# --------------------------------------------------------------------------- API surface
+
+
+def test_keyword_names_match_torch():
+    a, b, bias = randn(3, 4), randn(4, 5), randn(5)
+    torch.testing.assert_close(tritonmm.matmul(input=a, other=b), torch.matmul(input=a, other=b))
+    torch.testing.assert_close(tritonmm.linear(input=a, weight=b.t(), bias=bias),
+                               F.linear(input=a, weight=b.t(), bias=bias))
+
+
+@pytest.mark.parametrize("bias", [1.0, [1.0, 2.0]], ids=str)
+def test_non_tensor_bias_is_a_type_error(bias):
+    x, w = randn(3, 2), randn(2, 2)
+    with pytest.raises(TypeError):
+        F.linear(x, w, bias)
+    with pytest.raises(TypeError, match="bias"):
+        tritonmm.linear(x, w, bias)
+
+
+@pytest.mark.parametrize("kernel,config", [
+    ("splitk", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_stages": 1, "num_warps": 4}),
+    ("pointer", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 0, "num_stages": 1, "num_warps": 4}),
+    ("pointer", {"BLOCK_M": 16.0, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_stages": 1, "num_warps": 4}),
+    ("tma", {"BLOCK_M": 64}),
+], ids=["splitk-missing-SPLIT_K", "GROUP_M-0", "float", "tma-missing"])
+def test_forced_configs_are_validated(kernel, config):
+    with pytest.raises(ValueError, match="config"):
+        with tritonmm.force_backend("triton", kernel, config=config):
+            pass
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def test_swapped_model_pickles_and_deep_copies():
+    model = nn.Sequential(nn.Linear(7, 4), nn.ReLU(), nn.Linear(4, 3))
+    tritonmm.swap_linear(model)
+    x = randn(2, 7)
+    want = model(x)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    clone = copy.deepcopy(model)
+    for m in (loaded, clone):
+        assert type(m[0]) is type(model[0]) and type(m[0]).__dict__["_tritonmm_base"] is nn.Linear
+        torch.testing.assert_close(m(x), want, rtol=0, atol=0)
+        tritonmm.unswap_linear(m)
+        assert type(m[0]) is nn.Linear
+
+
+def test_swap_skips_lazy_and_parametrized_modules():
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    lazy, plain, param = nn.LazyLinear(3), nn.Linear(4, 3), nn.Linear(4, 3)
+    parametrize.register_parametrization(param, "weight", Double())
+    model = nn.ModuleList([lazy, plain, param])
+    tritonmm.swap_linear(model)
+    assert isinstance(model[0], nn.LazyLinear) and "_tritonmm_base" in type(model[1]).__dict__
+    assert "_tritonmm_base" not in type(model[2]).__dict__
+    model[0](randn(2, 5))  # materializes; stays a working Linear
+    parametrize.remove_parametrizations(model[2], "weight")  # still possible
+    assert type(model[2]) is nn.Linear
+
+
+def test_jit_trace_of_swapped_module():
+    m = tritonmm.swap_linear(nn.Sequential(nn.Linear(6, 5)))
+    x = randn(3, 6)
+    traced = torch.jit.trace(m, (x,))
+    torch.testing.assert_close(traced(x), m(x))
+
+
+def test_unpatch_restores_another_librarys_patch():
+    original = nn.Linear.forward
+
+    def other_patch(self, input):
+        return original(self, input) + 1
+
+    nn.Linear.forward = other_patch
+    try:
+        with tritonmm.patch_linear():
+            assert tritonmm.nn.is_linear_patched()
+        assert nn.Linear.forward is other_patch
+        tritonmm.patch_linear()
+        tritonmm.unpatch_linear()
+        assert nn.Linear.forward is other_patch
+    finally:
+        nn.Linear.forward = original
