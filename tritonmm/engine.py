@@ -93,6 +93,8 @@ def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, 
         copy_specs = [(km.tma_copy_shape(t), dtype) for t, c in ((a2, copy_a), (b2, copy_b)) if c]
 
         def operands(a, b):  # aligned copies go to the reused workspace (see tritonmm.workspace)
+            if not copy_specs:
+                return a, b
             bufs = workspace.buffers(device, copy_specs)
             if copy_a:
                 a = km.tma_view(a.as_strided((M, K), sa), bufs.pop(0))
