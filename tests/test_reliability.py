@@ -377,3 +377,15 @@ def test_concurrent_writers_never_corrupt_the_table(tmp_path):
     final = json.loads(path.read_text())
     assert final["i"] == 39 and len(final["pad"]) == 200000 + 1000 * final["writer"]
     assert [p.name for p in tmp_path.iterdir()] == ["table.json"]  # no temporary files left
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_outputs_are_correctly_rounded(kernel, dtype):
+    """One rounding of an fp32 accumulator: nearly every output equals the float64 product rounded once
+    (only fp32 summation order can move a value across a rounding boundary)."""
+    a, b = randn(128, 96, dtype=dtype), randn(96, 512, dtype=dtype)
+    with tritonmm.force_backend("triton", kernel):
+        got = tritonmm.matmul(a, b)
+    exact = torch.matmul(a.double(), b.double()).to(dtype)
+    assert (got != exact).float().mean().item() < 0.01

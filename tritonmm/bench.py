@@ -255,10 +255,12 @@ def print_table(rows: list[dict], summary: list[dict]) -> None:
               "Inductor time / tritonmm time (>1: tritonmm faster)")
         for r in rows:
             if "inductor_us" in r:
-                print(f"{r['dtype']:8} {r['tag']:16} {r['inductor_us']:>9.1f} us {r['inductor_tune_s']:>6.1f} s "
+                print(f"{r['dtype']:8} {r['tag']:16} {r['M']:>6} {r['N']:>6} {r['K']:>6} "
+                      f"{r['inductor_us']:>9.1f} us {r['inductor_tune_s']:>6.1f} s "
                       f"{r['inductor_ratio']:>6.2f} {r['vs_inductor']:>6.2f}")
             elif "inductor_error" in r:
-                print(f"{r['dtype']:8} {r['tag']:16} Inductor failed: {r['inductor_error']}")
+                print(f"{r['dtype']:8} {r['tag']:16} {r['M']:>6} {r['N']:>6} {r['K']:>6} "
+                      f"Inductor failed: {r['inductor_error']}")
     inductor = any("vs_inductor" in s for s in summary)
     print("\ngeometric mean of torch.matmul time / tritonmm time (>1: tritonmm faster)")
     print(f"{'dtype':8} {'class':10} {'n':>3} {'dispatch':>8} {'kernel':>7} {'min':>6}"
@@ -299,7 +301,10 @@ def plot(rows: list[dict], path: pathlib.Path, title: str = "") -> None:
                 ax.plot([f for f, y in zip(flops, ys) if y is not None], [y for y in ys if y is not None], style,
                         label=label, markersize=4)
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # narrow ranges: no overlapping labels
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no overlapping minor labels
+        if flops and max(flops) < 10 * min(flops):  # within one decade there may be no major tick: label the data
+            ticks = sorted(set(flops))
+            ax.set_xticks(ticks, [f"{t:.2g}" for t in ticks])
         ax.set_title(f"{cls} ({dtype})")
         ax.set_xlabel("problem size, 2·M·N·K FLOP")
         ax.set_ylabel("TFLOP/s")

@@ -74,7 +74,9 @@ def _env_choice(name: str, allowed: tuple) -> str:
     raw = os.environ.get(name, "auto").strip().lower() or "auto"
     value = _ALIASES.get(raw, raw)
     if value not in allowed:
-        raise ValueError(f"environment variable {name}={os.environ[name]!r} is not one of {', '.join(allowed)}")
+        aliases = [a for a, v in _ALIASES.items() if v in allowed]
+        raise ValueError(f"environment variable {name}={os.environ[name]!r} is not one of "
+                         f"{', '.join(allowed + tuple(aliases))}")
     return value
 
 

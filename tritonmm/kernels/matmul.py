@@ -53,13 +53,13 @@ def _to_output(acc, dtype, UPCAST: tl.constexpr):
 
     Under the interpreter (UPCAST) bfloat16 is rounded by hand: its fp32 -> bf16 cast truncates.
     """
-    if UPCAST:
+    if dtype == tl.float32:  # split-K partial sums stay fp32 (one rounding, after the reduction)
+        return acc
+    elif UPCAST:
         bits = acc.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return tl.where(acc != acc, acc.to(dtype), out)
-    elif dtype == tl.float32:
-        return acc
     else:
         return acc.to(dtype)
 
