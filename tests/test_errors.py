@@ -104,3 +104,12 @@ def test_force_backend_rejects_unknown():
     with pytest.raises(ValueError):
         with tritonmm.force_backend("triton", "wgmma"):
             pass
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float64, (4, 4)), (torch.float32, (0, 4))], ids=["float64", "empty"])
+def test_bad_environment_value_reported_for_every_call(monkeypatch, dtype, shape):
+    """Also where the variable would not matter (torch-served dtype, empty problem): a typo never hides."""
+    monkeypatch.setenv("TRITONMM_BACKEND", "tirton")
+    a, b = randn(*shape, dtype=dtype), randn(shape[1], 3, dtype=dtype)
+    with pytest.raises(ValueError, match="TRITONMM_BACKEND"):
+        tritonmm.matmul(a, b)

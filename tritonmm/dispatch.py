@@ -206,6 +206,7 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
     Raises:
         ValueError: a forcing environment variable holds an unknown value.
     """
+    backend, kernel, config = forced()  # first: a bad environment value is reported for every call
     why_not = _capability(plan, dtype, device)
     if why_not:
         return Decision("torch", None, why_not)
@@ -214,7 +215,6 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
         return Decision("triton", "none", "empty result: nothing to compute, no launch")
     if K == 0:
         return Decision("triton", "none", "K = 0: the result is zeros (plus bias), no launch")
-    backend, kernel, config = forced()
     if backend == "torch":
         return Decision("torch", None, "backend forced to torch")
     if backend == "triton":
