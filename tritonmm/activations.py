@@ -8,23 +8,19 @@ import torch.nn.functional as F
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
 
+def apply(x: torch.Tensor, activation: str, inplace: bool = False) -> torch.Tensor:
+    """``activation`` applied in torch: out of place (differentiable, any autograd or functorch mode),
+    or in place where torch allows it (``x`` must then be a fresh tensor)."""
+    if activation == "relu":
+        return torch.relu_(x) if inplace else F.relu(x)
+    if activation in ("gelu", "gelu_tanh"):
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        return torch.ops.aten.gelu_(x, approximate=approximate) if inplace else F.gelu(x, approximate=approximate)
+    if activation == "silu":
+        return F.silu(x, inplace=inplace)
+    return x
+
+
 def apply_(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """``activation`` applied in torch, in place where torch allows it; ``x`` must be a fresh tensor."""
-    if activation == "relu":
-        return torch.relu_(x)
-    if activation in ("gelu", "gelu_tanh"):
-        return torch.ops.aten.gelu_(x, approximate="tanh" if activation == "gelu_tanh" else "none")
-    if activation == "silu":
-        return F.silu(x, inplace=True)
-    return x
-
-
-def apply(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """``activation`` applied out of place (differentiable, any autograd or functorch mode)."""
-    if activation == "relu":
-        return F.relu(x)
-    if activation in ("gelu", "gelu_tanh"):
-        return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
-    if activation == "silu":
-        return F.silu(x)
-    return x
+    """:func:`apply` in place: for fresh tensors outside autograd (the unfused torch paths)."""
+    return apply(x, activation, inplace=True)

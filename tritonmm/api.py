@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd import forward_ad as _fw_ad
 
 from . import dispatch, engine, ops
-from .activations import ACTIVATIONS, apply
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
@@ -22,21 +21,11 @@ def _require_tensor(name: str, value, op: str) -> None:
         raise TypeError(f"tritonmm.{op}(): argument '{name}' must be Tensor, not {type(value).__name__}")
 
 
-_fw_ad = None
-
-
 def _torch_only(*tensors) -> bool:
     """Whether this call must be answered by torch itself: functorch transforms (vmap, grad, jvp, ...),
     forward-mode AD (``torch.autograd.forward_ad``), or nested tensors. The custom ops support none
     of them, while torch.matmul / F.linear support them all."""
-    global _fw_ad
-    if _functorch_active():
-        return True
-    if _fw_ad is None:
-        import torch.autograd.forward_ad as _fw_ad_module
-
-        _fw_ad = _fw_ad_module
-    if _fw_ad._current_level >= 0:
+    if _functorch_active() or _fw_ad._current_level >= 0:
         return True
     for t in tensors:
         if t is not None and t.is_nested:
@@ -48,14 +37,15 @@ def _eager_fast_path(*tensors) -> bool:
     """Whether the op's implementation can be called directly, skipping the dispatcher's Python layers.
 
     True only when the dispatcher would add nothing: plain tensors that need no gradient, no
-    torch.compile tracing, no torch function/dispatch mode, no autocast, no functorch transform.
+    torch.compile or jit tracing, no torch function/dispatch mode, no autocast (called after
+    :func:`_torch_only`, which takes functorch transforms).
     The result is the same either way; this saves tens of µs per call.
     """
     if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:  # compile, jit.trace
         return False
     if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
         return False
-    if _any_autocast() or _functorch_active():
+    if _any_autocast():  # (functorch transforms never get here: see _torch_only)
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
@@ -123,12 +113,8 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     _require_tensor("weight", weight, "linear")
     if bias is not None:
         _require_tensor("bias", bias, "linear")
-    if _torch_only(x, weight, bias):
-        from .ops import check_linear
-
-        if activation not in ACTIVATIONS:
-            check_linear(x, weight, bias, activation)  # raises the ValueError
-        return apply(F.linear(x, weight, bias), activation)
+    if _torch_only(x, weight, bias):  # under autograd / functorch: activation out of place
+        return engine.torch_linear(x, weight, bias, activation, inplace=False)
     if _eager_fast_path(x, weight, bias):
         return engine.linear(x, weight, bias, activation)
     return torch.ops.tritonmm.linear(x, weight, bias, activation)

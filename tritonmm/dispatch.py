@@ -121,11 +121,8 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
 
         _cfg.validate(kernel, config)
     frozen = tuple(sorted(config.items())) if config is not None else None  # hashable: part of cache keys
-    token = _forced.set((backend, kernel, frozen))
-    try:
+    with forcing_as((backend, kernel, frozen)):
         yield
-    finally:
-        _forced.reset(token)
 
 
 @contextlib.contextmanager

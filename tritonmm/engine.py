@@ -136,7 +136,7 @@ def prepare(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: s
         plan = shapes.plan(a, b.t())
 
         def torch_run(x, w, bias_):
-            return activations.apply_(F.linear(x, w, bias_), activation).contiguous()
+            return torch_linear(x, w, bias_, activation).contiguous()
     else:
         shapes.check_inputs(a, b)
         plan = shapes.plan(a, b)
@@ -219,12 +219,25 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -
     Sparse, neg-bit and zero tensors go to F.linear unchanged (after the same checks).
     """
     if _unusual(x) or _unusual(weight) or bias is not None and _unusual(bias):
+        return torch_linear(x, weight, bias, activation)
+    return lookup(x, weight, bias, activation, "linear").run(x, weight, bias)
+
+
+def torch_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
+                 inplace: bool = True) -> Tensor:
+    """act(F.linear(x, weight, bias)) by torch alone, for the calls tritonmm hands to torch.
+
+    ``inplace`` applies the activation to F.linear's fresh output (outside autograd only).
+
+    Raises:
+        ValueError: unknown activation; otherwise F.linear's own errors.
+    """
+    if activation not in activations.ACTIVATIONS:
         from .ops import check_linear
 
-        if activation not in activations.ACTIVATIONS:
-            check_linear(x, weight, bias, activation)
-        return activations.apply_(F.linear(x, weight, bias), activation)
-    return lookup(x, weight, bias, activation, "linear").run(x, weight, bias)
+        check_linear(x, weight, bias, activation)  # raises the ValueError
+    out = F.linear(x, weight, bias)
+    return activations.apply_(out, activation) if inplace else activations.apply(out, activation)
 
 
 def clear_cache() -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import pathlib
+import tempfile
 import warnings
 
 import torch
@@ -89,9 +91,6 @@ def atomic_write_text(path: pathlib.Path, text: str) -> None:
     """Write ``path`` through a uniquely named temporary file and ``os.replace``: concurrent
     readers see the old or the new file, never part of one, and concurrent writers never
     share a temporary file (the last replace wins)."""
-    import os
-    import tempfile
-
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
