@@ -27,9 +27,9 @@ torch.manual_seed(0)
 for dt in (torch.bfloat16, torch.float16, torch.float32):
     for (M, N, K) in ((1000, 1000, 1000), (4095, 4097, 1023), (16, 4096, 4096), (300, 200, 100)):
         a = torch.randn(M, K, device="cuda").to(dt); b = torch.randn(K, N, device="cuda").to(dt)
-        for k in ("tma", "pointer", "splitk"):
+        for k in ("tma", "pointer", "splitk", "padded"):
             try:
-                with tritonmm.force_backend("triton", k):
+                with tritonmm.force_backend("torch" if k == "padded" else "triton", k):
                     r = error_report(tritonmm.matmul(a, b), a, b)
                 print(dt, M, N, K, k, "ok" if r["ok"] else f"FAIL {r}", flush=True)
             except Exception as e:

@@ -96,10 +96,17 @@ def test_untabled_rules_on_hopper(fake_hopper):
     bf = torch.bfloat16
     d = decide_cuda(randn(1024, 1024, dtype=bf), randn(1024, 1024, dtype=bf))
     assert d.backend == "torch" and "tuned table" in d.reason  # aligned, unmeasured: cuBLAS
-    d = decide_cuda(randn(1023, 1023, dtype=bf), randn(1023, 1023, dtype=bf))  # unaligned rows: copied + TMA
-    assert (d.backend, d.kernel, d.copies) == ("triton", "tma", ("a", "b"))
+    d = decide_cuda(randn(2049, 2049, dtype=bf), randn(2049, 2049, dtype=bf))  # unaligned rows: padded copies
+    assert (d.backend, d.kernel) == ("torch", "padded") and "padded" in str(d)
+    d = decide_cuda(randn(1023, 1023, dtype=bf), randn(1023, 1023, dtype=bf))  # unaligned, too small to pay
+    assert (d.backend, d.kernel) == ("torch", None)
     d = decide_cuda(randn(200, 201, dtype=bf), randn(201, 200, dtype=bf))  # unaligned but small: cuBLAS
-    assert d.backend == "torch"
+    assert d.backend == "torch" and d.kernel is None
+    d = decide_cuda(randn(64, 4097, dtype=bf), randn(4097, 4097, dtype=bf))  # memory-bound: copies cost more
+    assert d.kernel is None
+    w = randn(4096, 4095, dtype=bf)  # an unaligned (N, K) weight read transposed: padded too
+    d = decide_cuda(randn(4096, 4095, dtype=bf), w.t())
+    assert d.kernel == "padded"
     d = decide_cuda(randn(8, 256, 256, dtype=bf), randn(8, 256, 256, dtype=bf))
     assert d.backend == "torch" and "batched" in d.reason
     old = torch.get_float32_matmul_precision()
@@ -107,6 +114,10 @@ def test_untabled_rules_on_hopper(fake_hopper):
         torch.set_float32_matmul_precision("high")
         d = decide_cuda(randn(1023, 1023), randn(1023, 1023))
         assert d.backend == "torch" and "float32" in d.reason
+        d = decide_cuda(randn(2047, 2047), randn(2047, 2047))  # TF32 pays for padding as half types do
+        assert d.kernel == "padded"
+        torch.set_float32_matmul_precision("highest")
+        assert decide_cuda(randn(2047, 2047), randn(2047, 2047)).kernel is None  # plain fp32: nothing to gain
     finally:
         torch.set_float32_matmul_precision(old)
 

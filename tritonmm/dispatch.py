@@ -9,13 +9,15 @@ Rules, in order (first match wins):
 2. empty problems (M, N or batch = 0; K = 0) -> no launch.
 3. a forced backend (``TRITONMM_BACKEND`` or :func:`force_backend`).
 4. a measured winner from the tuned table of this GPU (``configs/tuned/*.json``).
-5. problems too small to pay for a launch (< ``MIN_FLOPS``), batched GEMMs and float32
-   (TF32) GEMMs -> cuBLAS.
-6. 2-D problems whose operand rows are not 16-byte aligned (4095, 4097, ...) and large
-   enough to pay for an aligned copy -> the persistent TMA kernel on the copies (cuBLAS
-   is 5x slower there); everything else -> cuBLAS.
+5. 2-D problems with a leading dimension that is not 16-byte aligned (4095, 4097, ...),
+   large (``PAD_MIN_FLOPS``) and math-bound (arithmetic intensity >= ``PAD_MIN_INTENSITY``
+   FLOP/byte) enough to pay for copies -> cuBLAS on zero-padded aligned copies
+   (``kernel="padded"``, :mod:`tritonmm.padded`: 3.3x torch.matmul on 4097³ bfloat16, H200).
+6. problems too small to pay for a launch (< ``MIN_FLOPS``), batched GEMMs, float32
+   (TF32) GEMMs and everything else -> cuBLAS.
 
-Forcing "triton" skips rules 4-6 and picks the kernel by shape: persistent TMA for 2-D
+Forcing "torch" with kernel "padded" takes the padded path wherever a leading dimension is
+unaligned. Forcing "triton" skips rules 4-6 and picks the kernel by shape: persistent TMA for 2-D
 problems on Hopper (copying unaligned operands when large enough), split-K when small M
 leaves SMs idle, the pointer kernel otherwise. Under ``TRITON_INTERPRET=1`` CPU tensors
 always take that kernel choice, so CI runs the kernels themselves.
@@ -30,16 +32,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import padded
 from . import tuned as _tuned
 from ._env import autotune_enabled, interpreting
 from .shapes import Plan
 
 BACKENDS = ("auto", "triton", "torch")
-KERNELS = ("auto", "tma", "pointer", "splitk")
+KERNELS = ("auto", "tma", "pointer", "splitk", "padded")
 _ALIASES = {"cublas": "torch"}
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_FLOPS = 2 * 128**3  # below this a launch from Python costs more than the math (µs scale)
-PAD_MIN_FLOPS = 2 * 512**3  # unaligned operands are copied into aligned buffers above this
+PAD_MIN_FLOPS = 2 * 1024**3  # auto: unaligned operands go to cuBLAS on padded copies above this
+TMA_COPY_MIN_FLOPS = 2 * 512**3  # forced Triton: unaligned operands are copied for the TMA kernel above this
+PAD_MIN_INTENSITY = 256  # FLOP/byte: below it the GEMM is memory-bound and a copy costs more than it saves
 SMALL_M = 64  # at or below: memory-bound (weight streaming), pointer or split-K kernel
 
 _forced: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("tritonmm_forced", default=None)
@@ -51,7 +56,8 @@ class Decision:
 
     Attributes:
         backend: "triton" or "torch" (torch.matmul: cuBLAS on CUDA).
-        kernel: "tma", "pointer", "splitk", "none" (no launch: empty result) or None (torch).
+        kernel: "tma", "pointer", "splitk", "none" (no launch: empty result), "padded" (backend
+            "torch": cuBLAS on zero-padded aligned copies) or None (torch.matmul as called).
         reason: one sentence for humans.
         config: a fixed kernel config (from the tuned table), or None to autotune.
         copies: operands ("a", "b") copied into 16-byte aligned buffers for TMA.
@@ -64,7 +70,10 @@ class Decision:
     copies: tuple = field(default=())
 
     def __str__(self) -> str:
-        what = "torch.matmul" if self.backend == "torch" else f"triton[{self.kernel}]"
+        if self.backend == "torch":
+            what = "torch.matmul[padded]" if self.kernel == "padded" else "torch.matmul"
+        else:
+            what = f"triton[{self.kernel}]"
         extra = f", copies {'+'.join(self.copies)} to aligned buffers" if self.copies else ""
         cfg = f", config {self.config}" if self.config else ""
         return f"{what}: {self.reason}{extra}{cfg}"
@@ -100,7 +109,8 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
 
     Args:
         backend: "triton", "torch" (alias "cublas") or "auto".
-        kernel: "auto", "tma", "pointer" or "splitk" (Triton only).
+        kernel: "auto", "tma", "pointer" or "splitk" (Triton), or "padded" (with backend "torch":
+            cuBLAS on zero-padded aligned copies where a leading dimension is unaligned).
         config: a config dict for ``kernel`` (fields of ``configs/candidates.json``); default: tuned/autotuned.
 
     Forcing "triton" overrides the performance rules (size, tuned table), not the
@@ -116,6 +126,10 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if config is not None and kernel == "auto":
         raise ValueError("a forced config needs a forced kernel")
+    if (kernel == "padded") != (backend == "torch" and kernel == "padded"):
+        raise ValueError("kernel 'padded' (cuBLAS on padded copies) goes with backend 'torch'")
+    if config is not None and kernel == "padded":
+        raise ValueError("the padded path takes no config")
     if config is not None:
         from .kernels import configs as _cfg
 
@@ -192,7 +206,7 @@ def _kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, st
     if not _has_tma(device):
         return "pointer", "no TMA before compute capability 9.0: pointer kernel", ()
     copies = tma_copies(plan)
-    if copies and 2 * M * N * K < PAD_MIN_FLOPS:
+    if copies and 2 * M * N * K < TMA_COPY_MIN_FLOPS:
         return "pointer", "unaligned operands, too small to pay for an aligned copy: pointer kernel", ()
     return "tma", "persistent TMA kernel", copies
 
@@ -213,7 +227,13 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
     if K == 0:
         return Decision("triton", "none", "K = 0: the result is zeros (plus bias), no launch")
     if backend == "torch":
+        if kernel == "padded":
+            if padded.padded_shape(plan, dtype) is not None:
+                return Decision("torch", "padded", "forced: cuBLAS on zero-padded aligned copies")
+            return Decision("torch", None, "backend forced to torch (operands aligned: nothing to pad)")
         return Decision("torch", None, "backend forced to torch")
+    if kernel == "padded":
+        raise ValueError("environment variable TRITONMM_KERNEL=padded needs TRITONMM_BACKEND=torch")
     if backend == "triton":
         k, reason, copies = _kernel_choice(plan, device, kernel)
         return Decision("triton", k, f"backend forced to triton; {reason}", config=config if k == kernel else None,
@@ -226,14 +246,15 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
     if entry is not None:
         return entry
     flops = 2 * M * N * K * batch
+    intensity = flops / (dtype.itemsize * (M * K + K * N + M * N))
+    if flops >= PAD_MIN_FLOPS and intensity >= PAD_MIN_INTENSITY and padded.padded_shape(plan, dtype) is not None:
+        return Decision("torch", "padded", "unaligned leading dimension: cuBLAS on zero-padded aligned copies "
+                                           "(cuBLAS is 3-7x slower on unaligned rows)")
     if flops < MIN_FLOPS:
         return Decision("torch", None, f"{flops / 1e6:.2f} MFLOP is too small to pay for a Triton launch")
     if batch > 1:
         return Decision("torch", None, f"batched GEMM ({batch} x {M}x{N}x{K}): cuBLAS strided-batched")
     if dtype == torch.float32:
         return Decision("torch", None, "float32 (TF32): cuBLAS measured 2-3x faster than the Triton kernels (H200)")
-    k, reason, copies = _kernel_choice(plan, device, kernel)
-    if k == "tma" and copies:
-        return Decision("triton", k, f"unaligned rows ({'+'.join(copies)}): {reason}", copies=copies)
     return Decision("torch", None, "not in this GPU's tuned table: cuBLAS, which the Triton kernels did not beat "
                                    "on aligned shapes in the H200 measurements")

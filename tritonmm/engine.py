@@ -1,7 +1,7 @@
 """The per-call hot path: call -> (cached) decision and launcher -> kernel.
 
-The first call with a given geometry (shapes, strides, dtypes, devices, 16-byte alignment,
-bias, activation, forcing state, float32 precision) validates the operands, builds the plan,
+The first call with a given geometry (shapes, strides, dtypes, devices, 16-byte alignment of
+every operand, bias, activation, forcing state, float32 precision) validates the operands, builds the plan,
 asks the dispatcher and builds a launcher; later calls with the same geometry only allocate
 the output and launch. The cache is bounded (``CACHE_MAX`` entries, then cleared) and holds
 no tensors.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import activations, dispatch, shapes, workspace
+from . import activations, dispatch, padded, shapes, workspace
 
 CACHE_MAX = 4096
 _cache: dict = {}
@@ -56,7 +56,7 @@ def _key(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: str)
     return (
         op, a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device, b.device,
         a.data_ptr() & 15, b.data_ptr() & 15,
-        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15),
         activation, dispatch._forced.get(), _env_state(), torch.get_float32_matmul_precision(),
     )
 
@@ -64,6 +64,8 @@ def _key(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: str)
 def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, activation, torch_run) -> Callable:
     """The runner for one geometry."""
     out_shape = plan.out_shape
+    if decision.kernel == "padded":
+        return padded.runner(plan, dtype, device, activation, alloc=lambda *args, **kw: alloc(*args, **kw))
     if decision.backend == "torch":
         return torch_run
     if decision.kernel == "none":

@@ -5,6 +5,7 @@
 
 For each shape (bucketed M, exact N and K, operand layout) and dtype it times torch.matmul and
 every candidate config of each applicable kernel (persistent TMA, pointer, split-K for small M)
+and, where a leading dimension is unaligned, cuBLAS on zero-padded copies ("padded"),
 through the full ``tritonmm.matmul`` call (copies and Python overhead included), checks each
 result against a float64 reference, and records the winner: a Triton kernel and config, or
 cuBLAS when it was faster. The table (``configs/tuned/<gpu>-sm<cc>-<sms>sms-triton<v>.json``) is
@@ -34,7 +35,10 @@ def parse_args(argv=None):
     p.add_argument("--tags", nargs="+", default=None)
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["bfloat16"])
     p.add_argument("--layout", nargs="+", choices=["nn", "nt"], default=["nn"])
-    p.add_argument("--kernels", nargs="+", choices=["tma", "pointer", "splitk"], default=["tma", "pointer", "splitk"])
+    p.add_argument("--kernels", nargs="+", choices=["tma", "pointer", "splitk", "padded"],
+                   default=["tma", "pointer", "splitk", "padded"],
+                   help="what to measure besides torch.matmul; 'padded' is cuBLAS on zero-padded aligned copies, "
+                        "measured where a leading dimension is unaligned")
     p.add_argument("--rep", type=int, default=25, help="do_bench rep time per config in ms")
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="output file, or a directory for the default name (default: configs/tuned/)")
@@ -51,6 +55,13 @@ def applicable(kernel: str, M: int, N: int, device) -> bool:
     if kernel == "splitk":
         return M <= SMALL_M
     return True
+
+
+def padded_applicable(a, b) -> bool:
+    """Whether the padded path (cuBLAS on zero-padded copies) differs from torch.matmul for a @ b."""
+    from . import padded, shapes
+
+    return padded.padded_shape(shapes.plan(a, b), a.dtype) is not None
 
 
 def measure_shape(shape: dict, dtype, layout: str, args, gen) -> dict:
@@ -76,6 +87,19 @@ def measure_shape(shape: dict, dtype, layout: str, args, gen) -> dict:
            "configs": []}
     smem, _ = cfg.device_limits(a.device.index or 0)
     for kernel in args.kernels:
+        if kernel == "padded":
+            if padded_applicable(a, b):
+                entry = {"kernel": "padded", "config": None}
+                with tritonmm.force_backend("torch", "padded"):
+                    err = (tritonmm.matmul(a, b).double() - ref).abs().max().item()
+                    entry["err"] = err
+                    if not err <= bound:
+                        entry["failed"] = f"error {err:.3e} > bound {bound:.3e}"
+                    else:
+                        entry["us"] = do_bench(lambda: tritonmm.matmul(a, b), warmup=5, rep=args.rep,
+                                               return_mode="median") * 1e3
+                res["configs"].append(entry)
+            continue
         if not applicable(kernel, M, N, a.device):
             continue
         for config in cfg.candidates(kernel):
@@ -116,6 +140,10 @@ def choose(group: list[dict]) -> dict:
     tri = [t[pick] for t in timed]
     tor = [r["torch_us"] for r in group]
     wins = all(x < y for x, y in zip(tri, tor))
+    if pick[0] == "padded":  # cuBLAS on padded copies: a torch entry that names the padded path when it wins
+        return {"backend": "torch", "kernel": "padded" if wins else None, "config": None,
+                "triton_us": max(tri), "torch_us": max(tor),
+                "shapes": [[r["M"], r["N"], r["K"], round(y / x, 3)] for r, x, y in zip(group, tri, tor)]}
     return {"backend": "triton" if wins else "torch", "kernel": pick[0], "config": json.loads(pick[1]),
             "triton_us": max(tri), "torch_us": max(tor),
             "shapes": [[r["M"], r["N"], r["K"], round(y / x, 3)] for r, x, y in zip(group, tri, tor)]}

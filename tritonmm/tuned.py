@@ -4,7 +4,8 @@ A table belongs to one GPU kind and one Triton release: it records the compute
 capability, the SM count and the Triton version it was measured with, and is used
 only where all three match. Each entry names, for a dtype, a bucketed M, an exact N
 and K and the operand layouts, the fastest backend measured (a Triton kernel and its
-config, or torch.matmul/cuBLAS) and both times in µs. A table that cannot be read or
+config, cuBLAS on zero-padded aligned copies (backend "torch", kernel "padded"), or
+torch.matmul/cuBLAS) and both times in µs (``triton_us``: the entry's kernel). A table that cannot be read or
 parsed is skipped with one warning.
 """
 
@@ -138,6 +139,13 @@ def lookup(device: torch.device, dtype: torch.dtype, plan: Plan):
 
     ratio = e["torch_us"] / e["triton_us"] if e.get("triton_us") else 0.0
     if e["backend"] == "torch":
+        if e.get("kernel") == "padded":
+            from .padded import padded_shape
+
+            if padded_shape(plan, dtype) is not None:
+                return Decision("torch", "padded", f"tuned table: cuBLAS on zero-padded aligned copies measured "
+                                                   f"{ratio:.2f}x torch.matmul")
+            return Decision("torch", None, "tuned table: cuBLAS (operands already aligned)")
         return Decision("torch", None, f"tuned table: cuBLAS measured faster (Triton {ratio:.2f}x)")
     copies = tma_copies(plan) if e["kernel"] == "tma" else ()
     return Decision("triton", e["kernel"], f"tuned table: measured {ratio:.2f}x cuBLAS", config=e["config"], copies=copies)
