@@ -249,6 +249,14 @@ def _matmul_tma_kernel(
 # --------------------------------------------------------------------------- launch helpers
 
 
+def _hooks_active() -> bool:
+    """Whether a launch hook (a profiler such as proton) is installed. Triton 3.6 keeps hooks in a
+    ``HookChain`` that is never None; older releases use None for "no hook"."""
+    hook = knobs.runtime.launch_enter_hook
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else hook is not None
+
+
 class _DirectLaunch:
     """Launches of one JIT kernel with fixed constexprs and grid: the first goes through
     ``kernel[grid](...)`` (compiling or finding the binary), later ones call the compiled
@@ -267,7 +275,7 @@ class _DirectLaunch:
 
     def __call__(self, args: tuple) -> None:
         k = self.compiled
-        if k is None or knobs.runtime.launch_enter_hook is not None:
+        if k is None or _hooks_active():
             k = self.fn[self.grid](*args, **self.kwargs)
             if self.compiled is None and not interpreting() and all(
                     hasattr(k, n) for n in ("run", "function", "packed_metadata")):

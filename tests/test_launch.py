@@ -1,0 +1,76 @@
+"""Direct launches of compiled kernels (kernels/matmul.py ``_DirectLaunch``), checked with a fake JIT
+function: the second launch must reach the compiled binary's launcher with every argument in signature
+order, and launch hooks (profilers) must keep the normal path. The real launches run in every `gpu` test."""
+
+import types
+
+import pytest
+
+from tritonmm.kernels import matmul as km
+
+
+class FakeCompiled:
+    function = "cu-function"
+    packed_metadata = "packed"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class FakeJit:
+    arg_names = ["a_ptr", "M", "BLOCK_M", "ACTIVATION"]
+
+    def __init__(self):
+        self.compiled = FakeCompiled()
+        self.slow = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.slow.append((grid, args, kwargs))
+            return self.compiled
+        return launch
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(km, "interpreting", lambda: False)
+    active = types.SimpleNamespace(get_current_device=lambda: 3, get_current_stream=lambda dev: 1000 + dev)
+    monkeypatch.setattr(km, "_driver", types.SimpleNamespace(active=active))
+
+
+def test_second_launch_calls_the_compiled_launcher(fake_gpu):
+    fn = FakeJit()
+    launch = km._DirectLaunch(fn, (7, 2), {"BLOCK_M": 64, "ACTIVATION": "gelu", "num_warps": 4})
+    launch(("ptr0", 100))
+    assert len(fn.slow) == 1 and fn.slow[0][0] == (7, 2, 1) and fn.compiled.runs == []
+    launch(("ptr1", 100))
+    assert len(fn.slow) == 1  # no second trip through Triton's binder
+    assert fn.compiled.runs == [(7, 2, 1, 1003, "cu-function", "packed", None, None, None, "ptr1", 100, 64, "gelu")]
+
+
+def test_launch_hooks_keep_the_normal_path(fake_gpu, monkeypatch):
+    fn = FakeJit()
+    launch = km._DirectLaunch(fn, (1,), {"BLOCK_M": 16, "ACTIVATION": "none"})
+    launch(("p", 1))
+    monkeypatch.setattr(km, "_hooks_active", lambda: True)
+    launch(("p", 1))
+    assert len(fn.slow) == 2 and fn.compiled.runs == []
+
+
+def test_interpreter_never_takes_the_direct_path(monkeypatch):
+    monkeypatch.setattr(km, "interpreting", lambda: True)
+    fn = FakeJit()
+    launch = km._DirectLaunch(fn, (1,), {"BLOCK_M": 16, "ACTIVATION": "none"})
+    launch(("p", 1))
+    launch(("p", 1))
+    assert len(fn.slow) == 2 and launch.compiled is None
+
+
+def test_hook_detection_matches_this_triton():
+    hook = km.knobs.runtime.launch_enter_hook
+    expected = bool(hook.calls) if hasattr(hook, "calls") else hook is not None
+    assert km._hooks_active() is expected
+    assert km._hooks_active() is False  # nothing installs a profiler hook in the test run
