@@ -45,3 +45,17 @@ def test_cpu_check_runs_every_kernel_path(capsys):
     assert bench.cpu_check() == 0
     out = capsys.readouterr().out
     assert out.count(" ok") == 18 and "FAIL" not in out  # 3 dtypes x 3 kernels x (matmul, linear)
+
+
+@pytest.mark.gpu
+def test_gpu_run_writes_json_and_csv_without_plot(tmp_path):
+    suite = tmp_path / "suite.json"
+    suite.write_text(json.dumps({"dtypes": ["bfloat16"], "shapes": [
+        {"tag": "odd", "M": 300, "N": 301, "K": 302}, {"tag": "square", "M": 512, "N": 512, "K": 512}]}))
+    out, table = tmp_path / "out.json", tmp_path / "out.csv"
+    assert bench.main(["--shapes", str(suite), "--rep", "5", "--json", str(out), "--csv", str(table)]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["M"], r["N"], r["K"]) for r in data["rows"]] == [(300, 301, 302), (512, 512, 512)]
+    assert all(r["ok"] and r["kernel_ok"] for r in data["rows"])
+    assert all(r["torch_us"] > 0 and r["tritonmm_us"] > 0 for r in data["rows"])
+    assert data["machine"]["gpu"] and len(table.read_text().splitlines()) == 3
