@@ -13,8 +13,8 @@ their ratio (torch time / tritonmm time: above 1 means tritonmm is faster), the 
 alone (dispatch forced to Triton) and its ratio, the backend the dispatcher chose, and whether
 the result matches a float64 reference as closely as torch.matmul's does. Times are medians of
 ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs), on N(0, 1) data, never zeros;
-torch.matmul and tritonmm are timed in alternation (four turns each), so drift of a shared GPU's
-clocks hits both alike.
+torch.matmul and tritonmm are timed in alternation (ten turns each, samples pooled), so drift of a
+shared GPU's clocks hits both alike.
 
 Without a GPU it runs small problems through Triton's interpreter on every kernel path, checks
 them against float64 references and says that timings need a GPU.
@@ -101,7 +101,7 @@ def _bench_us(fn, rep: int) -> float:
     return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
 
 
-def _bench_pair(f_torch, f_tri, rep: int, rounds: int = 4) -> tuple[float, float]:
+def _bench_pair(f_torch, f_tri, rep: int, rounds: int = 10) -> tuple[float, float]:
     """Median µs of two contenders timed in alternation (``rounds`` turns each, ``rep`` ms in all per
     contender), so clock and neighbour drift on a shared GPU hits both alike."""
     from triton.testing import do_bench
@@ -109,7 +109,7 @@ def _bench_pair(f_torch, f_tri, rep: int, rounds: int = 4) -> tuple[float, float
     times = ([], [])
     for _ in range(rounds):
         for i, fn in enumerate((f_torch, f_tri)):
-            times[i].extend(do_bench(fn, warmup=10, rep=max(rep // rounds, 5), return_mode="all"))
+            times[i].extend(do_bench(fn, warmup=3, rep=max(rep // rounds, 3), return_mode="all"))
     return tuple(float(torch.tensor(t).median()) * 1e3 for t in times)
 
 
