@@ -6,7 +6,8 @@
     python -m tritonmm.bench --tags square odd    # a subset of the suite
     python -m tritonmm.bench --compare inductor   # add torch.compile max-autotune (Triton templates)
     python -m tritonmm.bench --plot bench.png     # TFLOP/s against problem size, per shape class
-    python -m tritonmm.bench --from-json benchmarks/h200_bf16.json --plot bench.png   # no GPU needed
+    python -m tritonmm.bench --from-json benchmarks/h200.json --plot bench.png   # no GPU needed
+    python -m tritonmm.bench --from-json benchmarks/h200.json --markdown         # README tables
 
 Per shape and dtype it prints tritonmm's time (µs) and TFLOP/s after dispatch, torch.matmul's,
 their ratio (torch time / tritonmm time: above 1 means tritonmm is faster), the Triton kernel
@@ -62,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", type=pathlib.Path, help="write a PNG of TFLOP/s against problem size per shape class")
     p.add_argument("--from-json", type=pathlib.Path,
                    help="print the table (and --plot) of an earlier --json run instead of measuring")
+    p.add_argument("--markdown", action="store_true", help="with --from-json: print the tables as Markdown (README)")
     p.add_argument("--json", type=pathlib.Path, help="write rows and machine facts as JSON")
     p.add_argument("--csv", type=pathlib.Path, help="write rows as CSV")
     return p.parse_args(argv)
@@ -350,11 +352,34 @@ def plot(rows: list[dict], path: pathlib.Path, title: str = "") -> None:
     plt.close(fig)
 
 
+def markdown(rows: list[dict], summary: list[dict], machine: dict) -> str:
+    """The README's benchmark tables (summary per dtype and shape class, then every row) as Markdown."""
+    smi = machine.get("nvidia_smi") or {}
+    lines = [f"{machine.get('gpu', '?')} ({machine.get('sms', '?')} SMs, SM clock {smi.get('clocks.sm', '?')}), "
+             f"torch {machine.get('torch', '?')}, triton {machine.get('triton', '?')}, CUDA {machine.get('cuda', '?')}, "
+             f"{machine.get('date', '?')}. Ratio = torch.matmul time / tritonmm time (> 1: tritonmm faster); "
+             "kernel = the Triton kernel alone (dispatch forced to Triton).", "",
+             "| dtype | class | n | geomean ratio | min ratio | kernel geomean |", "|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(f"| {s['dtype']} | {s['class']} | {s['n']} | {s['ratio']:.3f} | {s['min_ratio']:.2f} | "
+                     f"{s['kernel_ratio']:.3f} |")
+    lines += ["", "| dtype | tag | M | N | K | backend | tritonmm µs | TFLOP/s | torch µs | TFLOP/s | ratio | kernel ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['tag']} | {r['M']} | {r['N']} | {r['K']} | {r['backend']} | "
+                     f"{r['tritonmm_us']:.1f} | {r['tritonmm_tflops']:.0f} | {r['torch_us']:.1f} | "
+                     f"{r['torch_tflops']:.0f} | {r['ratio']:.2f} | {r.get('kernel_ratio', float('nan')):.2f} |")
+    return "\n".join(lines)
+
+
 def from_json(args) -> int:
     """Print (and plot) an earlier run's JSON: no GPU needed."""
     data = json.loads(args.from_json.read_text())
     rows = data["rows"]
-    print_table(rows, summarize(rows))
+    if args.markdown:
+        print(markdown(rows, summarize(rows), data.get("machine", {})))
+    else:
+        print_table(rows, summarize(rows))
     if args.plot:
         m = data.get("machine", {})
         plot(rows, args.plot, f"{m.get('gpu', '?')}, torch {m.get('torch', '?')}, triton {m.get('triton', '?')}, "
