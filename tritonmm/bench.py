@@ -389,7 +389,8 @@ def from_json(args) -> int:
 
 
 def cpu_check() -> int:
-    """No GPU: run each kernel path through the interpreter on small problems and check them."""
+    """No GPU: run each kernel path through the interpreter on small problems and check them (and the
+    padded path, cuBLAS on padded copies, as torch.mm on CPU)."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch.nn.functional as F
 
@@ -402,9 +403,9 @@ def cpu_check() -> int:
     failures = 0
     print(f"{'dtype':9} {'kernel':8} {'problem':24} {'max err':>10} {'bound':>10}  result")
     for dtype in DTYPES.values():
-        for kernel in ("tma", "pointer", "splitk"):
+        for kernel in ("tma", "pointer", "splitk", "padded"):
             for what in ("matmul 97x83x71", "linear+bias+gelu 45x61x53"):
-                with tritonmm.force_backend("triton", kernel):
+                with tritonmm.force_backend("torch" if kernel == "padded" else "triton", kernel):
                     if what.startswith("matmul"):
                         a, b = randn(97, 71, dtype=dtype), randn(71, 83, dtype=dtype)
                         rep = error_report(tritonmm.matmul(a, b), a, b)
