@@ -37,6 +37,20 @@ def test_from_json_prints_and_plots(tmp_path, capsys):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_markdown_tables_carry_the_check(tmp_path, capsys):
+    bad = dict(_row("square-a", 2.0, 4.0), ok=False, kernel_ok=True)
+    good = dict(_row("odd-a", 3.0, 3.0), ok=True, kernel_ok=True, layout="nt")
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"machine": {"gpu": "G", "sms": 7, "date": "d"}, "rows": [bad, good]}))
+    assert bench.main(["--from-json", str(path), "--markdown"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith("| bfloat16 | matmul")]
+    assert rows[0].endswith("| FAIL |") and rows[1].endswith("| ok |") and "matmul nt" in rows[1]
+    summary = [line for line in out if line.startswith("| bfloat16 | all |")]
+    assert summary == ["| bfloat16 | all | 2 | 2.449 | 2.00 | 3.464 |"]  # geomeans of (2, 3) and (4, 3)
+    assert out[0].startswith("G (7 SMs")
+
+
 def test_cpu_check_runs_every_kernel_path(capsys):
     import torch
 

@@ -69,6 +69,16 @@ def test_interpreter_never_takes_the_direct_path(monkeypatch):
     assert len(fn.slow) == 2 and launch.compiled is None
 
 
+def test_exit_hooks_count_too(monkeypatch):
+    chain = type(km.knobs.runtime.launch_exit_hook)
+    if chain is type(None):
+        pytest.skip("this Triton keeps hooks as plain callables")
+    exit_hook = chain()
+    exit_hook.add(lambda metadata: None)
+    monkeypatch.setattr(km.knobs.runtime, "launch_exit_hook", exit_hook)
+    assert km._hooks_active()
+
+
 def test_hook_detection_matches_this_triton():
     hook = km.knobs.runtime.launch_enter_hook
     expected = bool(hook.calls) if hasattr(hook, "calls") else hook is not None

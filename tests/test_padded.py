@@ -107,9 +107,12 @@ def test_padded_forcing_errors(monkeypatch):
     monkeypatch.setenv("TRITONMM_KERNEL", "padded")
     assert tritonmm.explain(a, b).kernel == "padded"
     assert_matches_reference(tritonmm.matmul(a, b), a, b)
-    monkeypatch.setenv("TRITONMM_BACKEND", "triton")
-    with pytest.raises(ValueError, match="TRITONMM_KERNEL=padded"):
-        tritonmm.matmul(a, b)
+    for backend in ("triton", "auto"):
+        monkeypatch.setenv("TRITONMM_BACKEND", backend)
+        for x, y in ((a, b), (a.double(), b.double()), (randn(9, 0, device=DEV), randn(0, 5, device=DEV)),
+                     (randn(0, 7, device=DEV), b)):  # reported on every call, also where it would not apply
+            with pytest.raises(ValueError, match="TRITONMM_KERNEL=padded"):
+                tritonmm.matmul(x, y)
 
 
 def test_tuned_padded_entry_becomes_a_padded_decision(monkeypatch):

@@ -271,14 +271,19 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _check(r: dict) -> str:
+    """'ok', 'FAIL' (tritonmm's or the kernel's result outside the float64 bound) or '-' (not checked)."""
+    ok = r.get("ok", r.get("kernel_ok"))
+    return "-" if ok is None else ("ok" if ok and r.get("kernel_ok", True) else "FAIL")
+
+
 def print_table(rows: list[dict], summary: list[dict]) -> None:
     head = (f"{'dtype':8} {'tag':16} {'M':>6} {'N':>6} {'K':>6} {'backend':14} {'tritonmm us':>11} {'TFLOP/s':>7} "
             f"{'torch us':>9} {'TFLOP/s':>7} {'ratio':>6} {'kernel us':>9} {'k.ratio':>7} {'check':>5}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        ok = r.get("ok", r.get("kernel_ok"))
-        check = "-" if ok is None else ("ok" if ok and r.get("kernel_ok", True) else "FAIL")
+        check = _check(r)
         print(f"{r['dtype']:8} {r['tag']:16} {r['M']:>6} {r['N']:>6} {r['K']:>6} {r['backend']:14} "
               f"{r['tritonmm_us']:>11.1f} {r['tritonmm_tflops']:>7.1f} {r['torch_us']:>9.1f} "
               f"{r['torch_tflops']:>7.1f} {r['ratio']:>6.2f} {r.get('kernel_us', float('nan')):>9.1f} "
@@ -337,7 +342,7 @@ def plot(rows: list[dict], path: pathlib.Path, title: str = "") -> None:
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no overlapping minor labels
         if flops and max(flops) < 10 * min(flops):  # within one decade there may be no major tick: label the data
             ticks = sorted(set(flops))
-            ax.set_xticks(ticks, [f"{t:.2g}" for t in ticks])
+            ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
         ax.set_title(f"{cls} ({dtype})")
         ax.set_xlabel("problem size, 2·M·N·K FLOP")
         ax.set_ylabel("TFLOP/s")
@@ -347,7 +352,7 @@ def plot(rows: list[dict], path: pathlib.Path, title: str = "") -> None:
     axes.flat[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97) if title else None)  # leave the suptitle its own band
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -363,12 +368,14 @@ def markdown(rows: list[dict], summary: list[dict], machine: dict) -> str:
     for s in summary:
         lines.append(f"| {s['dtype']} | {s['class']} | {s['n']} | {s['ratio']:.3f} | {s['min_ratio']:.2f} | "
                      f"{s['kernel_ratio']:.3f} |")
-    lines += ["", "| dtype | tag | M | N | K | backend | tritonmm µs | TFLOP/s | torch µs | TFLOP/s | ratio | kernel ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| dtype | op | tag | M | N | K | backend | tritonmm µs | TFLOP/s | torch µs | TFLOP/s | ratio "
+                  "| kernel ratio | check |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['tag']} | {r['M']} | {r['N']} | {r['K']} | {r['backend']} | "
+        op = r.get("op", f"matmul {r.get('layout', 'nn')}")
+        lines.append(f"| {r['dtype']} | {op} | {r['tag']} | {r['M']} | {r['N']} | {r['K']} | {r['backend']} | "
                      f"{r['tritonmm_us']:.1f} | {r['tritonmm_tflops']:.0f} | {r['torch_us']:.1f} | "
-                     f"{r['torch_tflops']:.0f} | {r['ratio']:.2f} | {r.get('kernel_ratio', float('nan')):.2f} |")
+                     f"{r['torch_tflops']:.0f} | {r['ratio']:.2f} | {r.get('kernel_ratio', float('nan')):.2f} | "
+                     f"{_check(r)} |")
     return "\n".join(lines)
 
 

@@ -93,14 +93,19 @@ def forced() -> tuple[str, str, dict | None]:
     """(backend, kernel, config) forced by :func:`force_backend`, else by the environment, else auto.
 
     Raises:
-        ValueError: ``TRITONMM_BACKEND`` or ``TRITONMM_KERNEL`` holds an unknown value.
+        ValueError: ``TRITONMM_BACKEND`` or ``TRITONMM_KERNEL`` holds an unknown value, or
+            ``TRITONMM_KERNEL=padded`` without ``TRITONMM_BACKEND=torch``.
     """
     ctx = _forced.get()
     if ctx is not None:
         backend, kernel, config = ctx
         return backend, kernel, dict(config) if config is not None else None
     autotune_enabled()  # validated here too, so a bad value is reported wherever it would be ignored
-    return _env_choice("TRITONMM_BACKEND", BACKENDS), _env_choice("TRITONMM_KERNEL", KERNELS), None
+    backend, kernel = _env_choice("TRITONMM_BACKEND", BACKENDS), _env_choice("TRITONMM_KERNEL", KERNELS)
+    if kernel == "padded" and backend != "torch":
+        raise ValueError("environment variable TRITONMM_KERNEL=padded needs TRITONMM_BACKEND=torch "
+                         f"(got TRITONMM_BACKEND={os.environ.get('TRITONMM_BACKEND', 'auto')!r})")
+    return backend, kernel, None
 
 
 @contextlib.contextmanager
@@ -232,8 +237,6 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
                 return Decision("torch", "padded", "forced: cuBLAS on zero-padded aligned copies")
             return Decision("torch", None, "backend forced to torch (operands aligned: nothing to pad)")
         return Decision("torch", None, "backend forced to torch")
-    if kernel == "padded":
-        raise ValueError("environment variable TRITONMM_KERNEL=padded needs TRITONMM_BACKEND=torch")
     if backend == "triton":
         k, reason, copies = _kernel_choice(plan, device, kernel)
         return Decision("triton", k, f"backend forced to triton; {reason}", config=config if k == kernel else None,

@@ -250,11 +250,13 @@ def _matmul_tma_kernel(
 
 
 def _hooks_active() -> bool:
-    """Whether a launch hook (a profiler such as proton) is installed. Triton 3.6 keeps hooks in a
-    ``HookChain`` that is never None; older releases use None for "no hook"."""
-    hook = knobs.runtime.launch_enter_hook
-    calls = getattr(hook, "calls", None)
-    return bool(calls) if calls is not None else hook is not None
+    """Whether a launch enter or exit hook (a profiler such as proton) is installed. Triton 3.6 keeps
+    hooks in a ``HookChain`` that is never None; older releases use None for "no hook"."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        calls = getattr(hook, "calls", None)
+        if (bool(calls) if calls is not None else hook is not None):
+            return True
+    return False
 
 
 class _DirectLaunch:
