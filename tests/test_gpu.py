@@ -141,3 +141,41 @@ def test_grads_on_gpu():
     for got, want in ((ga, a.grad), (gb, b.grad)):
         rel = (got.double() - want.double()).norm() / want.double().norm()
         assert rel < 2e-2, rel
+
+
+_SECOND_PROCESS = r"""
+import hashlib, sys, torch, tritonmm
+from tritonmm.kernels import matmul as km
+kernel = sys.argv[1]
+tuner = km.autotuned(kernel)
+benched = []
+bench = tuner._bench
+tuner._bench = lambda *a, **k: (benched.append(1), bench(*a, **k))[1]
+g = torch.Generator(device="cuda").manual_seed(0)
+M, N, K = (333, 555, 1000) if kernel != "splitk" else (16, 1000, 4000)
+a = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+b = torch.randn(K, N, device="cuda", generator=g).bfloat16()
+with tritonmm.force_backend("triton", kernel):
+    out = tritonmm.matmul(a, b)
+print("BENCHED", len(benched), "CONFIG", sorted(tuner.best_config.all_kwargs().items()),
+      "SHA", hashlib.sha256(out.float().cpu().numpy().tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.parametrize("kernel", ["tma", "pointer", "splitk"])
+def test_autotune_results_persist_across_processes(kernel, tmp_path):
+    """A second process reuses the first one's autotuning from Triton's on-disk cache (cache_results):
+    it benchmarks no config, picks the same one and returns bit-identical results."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITONMM_AUTOTUNE="1",
+               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    runs = [subprocess.run([sys.executable, "-c", _SECOND_PROCESS, kernel], env=env, capture_output=True,
+                           text=True, timeout=300) for _ in range(2)]
+    lines = [next(ln for ln in r.stdout.splitlines() if ln.startswith("BENCHED")) for r in runs]
+    first, second = (ln.split() for ln in lines)
+    assert int(first[1]) >= 1, lines[0]  # the first process benchmarked its pruned configs
+    assert int(second[1]) == 0, lines[1]  # the second read them from disk
+    assert first[3:] == second[3:]  # same config, same bits
