@@ -51,6 +51,17 @@ def test_markdown_tables_carry_the_check(tmp_path, capsys):
     assert out[0].startswith("G (7 SMs")
 
 
+def test_from_json_csv_and_argument_errors(tmp_path, capsys):
+    path, table = tmp_path / "run.json", tmp_path / "run.csv"
+    path.write_text(json.dumps({"rows": [_row("square-a", 2.0, 4.0), _row("odd-a", 3.0, 3.0)]}))
+    assert bench.main(["--from-json", str(path), "--csv", str(table)]) == 0
+    assert len(table.read_text().splitlines()) == 3
+    for argv in (["--markdown"], ["--from-json", str(tmp_path / "missing.json")]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+    assert "--from-json" in capsys.readouterr().err
+
+
 def test_cpu_check_runs_every_kernel_path(capsys):
     import torch
 

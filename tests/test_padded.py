@@ -111,8 +111,21 @@ def test_padded_forcing_errors(monkeypatch):
         monkeypatch.setenv("TRITONMM_BACKEND", backend)
         for x, y in ((a, b), (a.double(), b.double()), (randn(9, 0, device=DEV), randn(0, 5, device=DEV)),
                      (randn(0, 7, device=DEV), b)):  # reported on every call, also where it would not apply
-            with pytest.raises(ValueError, match="TRITONMM_KERNEL=padded"):
+            with pytest.raises(ValueError, match="TRITONMM_KERNEL='padded'.*needs backend 'torch'"):
                 tritonmm.matmul(x, y)
+        with tritonmm.force_backend("torch"):  # inside a forcing block the environment is still checked
+            with pytest.raises(ValueError, match="TRITONMM_KERNEL='padded'"):
+                tritonmm.matmul(a, b)
+    monkeypatch.setenv("TRITONMM_BACKEND", "torch")
+    monkeypatch.setenv("TRITONMM_KERNEL", "tma")  # a Triton kernel the torch backend would ignore
+    with pytest.raises(ValueError, match="Triton kernel"):
+        tritonmm.matmul(a, b)
+    monkeypatch.delenv("TRITONMM_KERNEL")
+    monkeypatch.delenv("TRITONMM_BACKEND")
+    for backend, kernel, config in (("torch", "pointer", None), ("auto", "pointer", {"BLOCK_M": 16})):
+        with pytest.raises(ValueError, match="Triton kernel|needs backend 'triton'"):
+            with tritonmm.force_backend(backend, kernel, config):
+                pass
 
 
 def test_tuned_padded_entry_becomes_a_padded_decision(monkeypatch):

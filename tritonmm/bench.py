@@ -66,7 +66,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--markdown", action="store_true", help="with --from-json: print the tables as Markdown (README)")
     p.add_argument("--json", type=pathlib.Path, help="write rows and machine facts as JSON")
     p.add_argument("--csv", type=pathlib.Path, help="write rows as CSV")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.markdown and not args.from_json:
+        p.error("--markdown prints an earlier run: give it --from-json RUN.json")
+    if args.from_json and not args.from_json.is_file():
+        p.error(f"--from-json: no such file {args.from_json}")
+    return args
+
+
+def write_csv(rows: list[dict], path: pathlib.Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def load_suite(path: pathlib.Path, tags) -> tuple[list[dict], list[str]]:
@@ -380,13 +392,15 @@ def markdown(rows: list[dict], summary: list[dict], machine: dict) -> str:
 
 
 def from_json(args) -> int:
-    """Print (and plot) an earlier run's JSON: no GPU needed."""
+    """Print (and plot, or write as CSV) an earlier run's JSON: no GPU needed."""
     data = json.loads(args.from_json.read_text())
     rows = data["rows"]
     if args.markdown:
         print(markdown(rows, summarize(rows), data.get("machine", {})))
     else:
         print_table(rows, summarize(rows))
+    if args.csv:
+        write_csv(rows, args.csv)
     if args.plot:
         m = data.get("machine", {})
         plot(rows, args.plot, f"{m.get('gpu', '?')}, torch {m.get('torch', '?')}, triton {m.get('triton', '?')}, "
@@ -464,10 +478,7 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps({"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
                                          "rows": rows, "summary": summary}, indent=1))
     if args.csv:
-        with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(rows, args.csv)
     bad = [r for r in rows if r.get("ok") is False or r.get("kernel_ok") is False]
     if bad:
         print(f"\n{len(bad)} rows FAILED the correctness check", file=sys.stderr)

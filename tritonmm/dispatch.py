@@ -89,22 +89,34 @@ def _env_choice(name: str, allowed: tuple) -> str:
     return value
 
 
+def _check_combination(backend: str, kernel: str, config, where: str) -> None:
+    """Raise ValueError for a kernel or config that the backend would silently ignore."""
+    if kernel == "padded" and backend != "torch":
+        raise ValueError(f"{where}: kernel 'padded' (cuBLAS on padded copies) needs backend 'torch', got {backend!r}")
+    if backend == "torch" and kernel not in ("auto", "padded"):
+        raise ValueError(f"{where}: kernel {kernel!r} is a Triton kernel; backend 'torch' takes 'auto' or 'padded'")
+    if config is not None and backend != "triton":
+        raise ValueError(f"{where}: a forced config needs backend 'triton', got {backend!r}")
+
+
 def forced() -> tuple[str, str, dict | None]:
     """(backend, kernel, config) forced by :func:`force_backend`, else by the environment, else auto.
 
+    The environment is validated on every call, also inside a :func:`force_backend` block.
+
     Raises:
-        ValueError: ``TRITONMM_BACKEND`` or ``TRITONMM_KERNEL`` holds an unknown value, or
-            ``TRITONMM_KERNEL=padded`` without ``TRITONMM_BACKEND=torch``.
+        ValueError: ``TRITONMM_BACKEND``, ``TRITONMM_KERNEL`` or ``TRITONMM_AUTOTUNE`` holds an unknown
+            value, or the two name a kernel the backend would ignore (``TRITONMM_KERNEL=padded`` without
+            ``TRITONMM_BACKEND=torch``, a Triton kernel with ``TRITONMM_BACKEND=torch``).
     """
+    autotune_enabled()  # validated here too, so a bad value is reported wherever it would be ignored
+    backend, kernel = _env_choice("TRITONMM_BACKEND", BACKENDS), _env_choice("TRITONMM_KERNEL", KERNELS)
+    _check_combination(backend, kernel, None, f"environment variables TRITONMM_BACKEND={backend!r}, "
+                                              f"TRITONMM_KERNEL={kernel!r}")
     ctx = _forced.get()
     if ctx is not None:
         backend, kernel, config = ctx
         return backend, kernel, dict(config) if config is not None else None
-    autotune_enabled()  # validated here too, so a bad value is reported wherever it would be ignored
-    backend, kernel = _env_choice("TRITONMM_BACKEND", BACKENDS), _env_choice("TRITONMM_KERNEL", KERNELS)
-    if kernel == "padded" and backend != "torch":
-        raise ValueError("environment variable TRITONMM_KERNEL=padded needs TRITONMM_BACKEND=torch "
-                         f"(got TRITONMM_BACKEND={os.environ.get('TRITONMM_BACKEND', 'auto')!r})")
     return backend, kernel, None
 
 
@@ -114,15 +126,19 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
 
     Args:
         backend: "triton", "torch" (alias "cublas") or "auto".
-        kernel: "auto", "tma", "pointer" or "splitk" (Triton), or "padded" (with backend "torch":
-            cuBLAS on zero-padded aligned copies where a leading dimension is unaligned).
-        config: a config dict for ``kernel`` (fields of ``configs/candidates.json``); default: tuned/autotuned.
+        kernel: "auto", "tma", "pointer" or "splitk" (a Triton kernel: used when the backend is
+            "triton", and under the interpreter also with "auto"), or "padded" (with backend "torch":
+            cuBLAS on zero-padded aligned copies where a 2-D problem has an unaligned leading dimension).
+        config: a config dict for ``kernel`` (fields of ``configs/candidates.json``; backend "triton"
+            only); default: tuned/autotuned.
 
     Forcing "triton" overrides the performance rules (size, tuned table), not the
     capability rules: float64 or a CPU tensor outside the interpreter still go to torch.
 
     Raises:
-        ValueError: unknown backend or kernel, or a config without exactly the kernel's fields as ints.
+        ValueError: unknown backend or kernel, a kernel or config the backend would ignore ("padded"
+            without "torch", a Triton kernel with "torch", a config without "triton"), or a config
+            without exactly the kernel's fields as ints.
     """
     backend = _ALIASES.get(backend, backend)
     if backend not in BACKENDS:
@@ -131,10 +147,7 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if config is not None and kernel == "auto":
         raise ValueError("a forced config needs a forced kernel")
-    if (kernel == "padded") != (backend == "torch" and kernel == "padded"):
-        raise ValueError("kernel 'padded' (cuBLAS on padded copies) goes with backend 'torch'")
-    if config is not None and kernel == "padded":
-        raise ValueError("the padded path takes no config")
+    _check_combination(backend, kernel, config, "force_backend")
     if config is not None:
         from .kernels import configs as _cfg
 
@@ -235,7 +248,8 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
         if kernel == "padded":
             if padded.padded_shape(plan, dtype) is not None:
                 return Decision("torch", "padded", "forced: cuBLAS on zero-padded aligned copies")
-            return Decision("torch", None, "backend forced to torch (operands aligned: nothing to pad)")
+            return Decision("torch", None, "backend forced to torch (nothing to pad: aligned operands, or a "
+                                           "batched problem, which the padded path does not take)")
         return Decision("torch", None, "backend forced to torch")
     if backend == "triton":
         k, reason, copies = _kernel_choice(plan, device, kernel)

@@ -31,7 +31,7 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str = "matmul") -> None:
         )
     if a.dim() == 0 or b.dim() == 0:
         raise RuntimeError(
-            f"tritonmm.{op}: both arguments to matmul need to be at least 1D, but they are {a.dim()}D and {b.dim()}D"
+            f"tritonmm.{op}: both arguments to {op} need to be at least 1D, but they are {a.dim()}D and {b.dim()}D"
         )
     ka = a.shape[-1]
     kb = b.shape[-2] if b.dim() >= 2 else b.shape[0]
