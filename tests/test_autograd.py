@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tritonmm
 from tritonmm.testing import randn
@@ -101,3 +102,47 @@ def test_backward_follows_the_forwards_forcing(monkeypatch):
     backward.join()
     assert x.grad is not None and w.grad is not None
     assert len(seen) >= 5 and all(backend == "torch" for _, backend, _ in seen), seen
+
+
+# ----------------------------------------------------------------- eager Function path vs the custom op
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: the Triton kernels (interpreter)
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh", "silu"])
+def test_eager_function_path_matches_the_op(activation, dtype):
+    """Eager autograd calls of tritonmm.linear/matmul run torch.autograd.Function subclasses (no
+    dispatcher layers); they must give the op's values, gradients and double-backward gradients."""
+    from tritonmm import api
+
+    def run(use_op):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(5, 7, 12, generator=g, dtype=dtype).requires_grad_()
+        w = torch.randn(9, 12, generator=g, dtype=dtype).requires_grad_()
+        b = torch.randn(9, generator=g, dtype=dtype).requires_grad_()
+        y = (torch.ops.tritonmm.linear(x, w, b, activation) if use_op else tritonmm.linear(x, w, b, activation))
+        if not use_op:
+            assert type(y.grad_fn).__name__ == "_LinearFunctionBackward"
+        z = tritonmm.matmul(y, w) if not use_op else torch.ops.tritonmm.matmul(y, w)
+        gx, gw, gb = torch.autograd.grad(z.square().sum(), (x, w, b), create_graph=True)
+        ggx = torch.autograd.grad((gx.sin().sum() + gw.cos().sum() + gb.sum()), (x, w))
+        return y, z, gx, gw, gb, *ggx
+
+    tol = 1e-10 if dtype == torch.float64 else 1e-4  # same kernels and formulas: equal up to rounding
+    for got, want in zip(run(False), run(True)):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert api._eager_autograd_path(torch.ones(2, requires_grad=True))
+
+
+def test_eager_function_path_under_autocast_casts_like_the_op():
+    x = torch.randn(6, 16, requires_grad=True)
+    w = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True)  # mixed: autocast makes them agree
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = tritonmm.linear(x, w)
+        ref = F.linear(x, w)
+        y_op = torch.ops.tritonmm.linear(x, w, None, "none")
+    assert y.dtype == ref.dtype == y_op.dtype == torch.bfloat16
+    assert torch.equal(y, y_op)
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.bfloat16  # grads in the leaves' dtypes
+    with pytest.raises(RuntimeError, match="dtype"):  # outside autocast the mismatch is torch's error
+        tritonmm.linear(x, w)

@@ -2,8 +2,10 @@
 
 Each op has a real implementation (dispatch -> Triton kernel or torch), a fake (meta)
 implementation for FakeTensor / torch.compile / torch.export, an autograd formula whose
-GEMMs run through ``tritonmm::matmul`` again, and autocast rules (CUDA and CPU) that cast
-floating inputs to the autocast dtype as torch.matmul / F.linear do.
+GEMMs run through ``tritonmm.matmul`` again, and autocast rules (CUDA and CPU) that cast
+floating inputs to the autocast dtype as torch.matmul / F.linear do. In eager mode the Python
+API runs the same implementation and formulas as ``torch.autograd.Function`` subclasses
+(``tritonmm/api.py``), skipping the dispatcher's Python layers.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ def _matmul_setup_context(ctx, inputs, output):
     ctx.forced = dispatch._forced.get()  # backward runs on autograd's threads: carry force_backend over
 
 
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """A gradient GEMM through ``tritonmm.matmul``: the op itself under compile, tracing and tensor
+    subclasses, the implementation directly in eager backward passes (no dispatcher layers)."""
+    from .api import matmul
+
+    return matmul(a, b)
+
+
 def _rows(t: Tensor) -> int:
     """Number of rows of ``t`` seen as (prod(shape[:-1]), shape[-1]) (valid with zero-size dims too)."""
     n = 1
@@ -54,11 +64,12 @@ def matmul_grads(grad: Tensor, a, b, need_a: bool, need_b: bool, shapes=None):
 
     ``a`` may be None when only dA is needed and ``b`` None when only dB is (pass their
     ``shapes``). Broadcast batch dims are summed out; 1-D operands lose their unit dim again.
-    The GEMMs run through ``tritonmm::matmul``, so stride-0 or non-contiguous ``grad``
+    The GEMMs run through ``tritonmm.matmul`` (the ``tritonmm::matmul`` op, or its implementation
+    directly in eager mode), so stride-0 or non-contiguous ``grad``
     (from ``y.sum()``, ``torch.cat``) is read in place; complex operands are conjugated
     (``.mH``) as torch.matmul's gradients are.
     """
-    mm = torch.ops.tritonmm.matmul
+    mm = _mm
     a_shape, b_shape = shapes if shapes is not None else (a.shape, b.shape)
     a_dim, b_dim = len(a_shape), len(b_shape)
     if a_dim == 1 and b_dim == 1:  # dot product: grad is 0-d
@@ -154,7 +165,9 @@ def _activation_backward(grad: Tensor, x, weight, bias, out, activation: str) ->
         return grad
     if activation == "relu":
         return torch.ops.aten.threshold_backward(grad, out, 0)
-    z = torch.ops.tritonmm.linear(x, weight, bias, "none")
+    from .api import linear
+
+    z = linear(x, weight, bias, "none")
     if activation == "silu":
         if torch.is_grad_enabled():  # aten::silu_backward has no derivative of its own
             s = torch.sigmoid(z)
@@ -177,11 +190,11 @@ def _linear_grads(ctx, grad):
     N, K = w_shape
     dx = dw = db = None
     if need_x:
-        dx = torch.ops.tritonmm.matmul(gz, weight.conj())
+        dx = _mm(gz, weight.conj())
     if need_w or need_b:
         gz2 = gz.reshape(_rows(gz), N)
         if need_w:
-            dw = torch.ops.tritonmm.matmul(gz2.mT, x.reshape(_rows(x), K).conj())
+            dw = _mm(gz2.mT, x.reshape(_rows(x), K).conj())
         if need_b:
             db = gz2.sum(0) if tuple(bias_shape) == (N,) else gz2.sum().reshape(bias_shape)
     return dx, dw, db, None
