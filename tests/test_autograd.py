@@ -146,3 +146,23 @@ def test_eager_function_path_under_autocast_casts_like_the_op():
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.bfloat16  # grads in the leaves' dtypes
     with pytest.raises(RuntimeError, match="dtype"):  # outside autocast the mismatch is torch's error
         tritonmm.linear(x, w)
+
+
+@pytest.mark.parametrize("op", ["linear", "matmul", "op-linear"])
+def test_batched_gradients_like_torch(op):
+    """autograd.grad(is_grads_batched=True) and jacobian/hessian(vectorize=True) run the backward
+    under torch's older vmap, whose batched tensors have no storage: they go to torch."""
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.float64)
+    f = {"linear": lambda t: tritonmm.linear(t, w, None, "gelu"),
+         "matmul": lambda t: tritonmm.matmul(t, w.t()),
+         "op-linear": lambda t: torch.ops.tritonmm.linear(t, w, None, "gelu")}[op]
+    ref = (lambda t: F.gelu(F.linear(t, w))) if op != "matmul" else (lambda t: t @ w.t())
+    v = torch.randn(7, 3, 5, dtype=torch.float64)
+    (got,) = torch.autograd.grad(f(x), x, v, is_grads_batched=True)
+    (want,) = torch.autograd.grad(ref(x), x, v, is_grads_batched=True)
+    torch.testing.assert_close(got, want)
+    jac = torch.autograd.functional.jacobian(f, x, vectorize=True)
+    torch.testing.assert_close(jac, torch.autograd.functional.jacobian(ref, x, vectorize=True))
+    hes = torch.autograd.functional.hessian(lambda t: f(t).sum(), x, vectorize=True)
+    torch.testing.assert_close(hes, torch.autograd.functional.hessian(lambda t: ref(t).sum(), x, vectorize=True))

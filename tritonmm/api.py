@@ -14,6 +14,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
     lambda: torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled())
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+# the older vmap behind autograd.grad(is_grads_batched=True) and jacobian/hessian(vectorize=True):
+# its batched tensors are plain torch.Tensor without storage, invisible to the functorch check
+_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
 
 
 def _require_tensor(name: str, value, op: str) -> None:
@@ -23,12 +26,13 @@ def _require_tensor(name: str, value, op: str) -> None:
 
 def _torch_only(*tensors) -> bool:
     """Whether this call must be answered by torch itself: functorch transforms (vmap, grad, jvp, ...),
-    forward-mode AD (``torch.autograd.forward_ad``), or nested tensors. The custom ops support none
+    forward-mode AD (``torch.autograd.forward_ad``), batched gradients (the older vmap of
+    ``is_grads_batched=True`` / ``vectorize=True``) or nested tensors. The custom ops support none
     of them, while torch.matmul / F.linear support them all."""
     if _functorch_active() or _fw_ad._current_level >= 0:
         return True
     for t in tensors:
-        if t is not None and t.is_nested:
+        if t is not None and (t.is_nested or _legacy_batched(t)):
             return True
     return False
 
