@@ -31,8 +31,9 @@ def _torch_only(*tensors) -> bool:
     of them, while torch.matmul / F.linear support them all."""
     if _functorch_active() or _fw_ad._current_level >= 0:
         return True
+    compiling = torch.compiler.is_compiling()  # (Dynamo cannot trace the legacy-batched check)
     for t in tensors:
-        if t is not None and (t.is_nested or _legacy_batched(t)):
+        if t is not None and (t.is_nested or not compiling and _legacy_batched(t)):
             return True
     return False
 
