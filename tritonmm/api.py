@@ -38,18 +38,21 @@ def _torch_only(*tensors) -> bool:
     return False
 
 
+def _eager() -> bool:
+    """Whether the call is plain eager mode: no torch.compile or jit tracing, no torch function or
+    dispatch mode. Only then may the calls below skip the torch.library op."""
+    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:  # compile, jit.trace
+        return False
+    return not (torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
+
+
 def _eager_fast_path(*tensors) -> bool:
     """Whether the op's implementation can be called directly, skipping the dispatcher's Python layers.
 
-    True only when the dispatcher would add nothing: plain tensors that need no gradient, no
-    torch.compile or jit tracing, no torch function/dispatch mode, no autocast (called after
-    :func:`_torch_only`, which takes functorch transforms).
-    The result is the same either way; this saves tens of µs per call.
+    True only when the dispatcher would add nothing: plain tensors that need no gradient and no
+    autocast (called in :func:`_eager` mode, after :func:`_torch_only`, which takes functorch
+    transforms). The result is the same either way; this saves tens of µs per call.
     """
-    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:  # compile, jit.trace
-        return False
-    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
-        return False
     if _any_autocast():  # (functorch transforms never get here: see _torch_only)
         return False
     grad = torch.is_grad_enabled()
@@ -64,18 +67,14 @@ _AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA) | to
 
 
 def _eager_autograd_path(*tensors) -> bool:
-    """Whether the call can run as a plain ``torch.autograd.Function`` instead of the custom op: eager
-    mode (no compile, jit tracing, torch function/dispatch mode), plain tensors on CPU or CUDA, with
-    autograd and/or autocast involved (else :func:`_eager_fast_path` applies).
+    """Whether the call can run as a plain ``torch.autograd.Function`` instead of the custom op: plain
+    tensors on CPU or CUDA (called in :func:`_eager` mode), with autograd and/or autocast involved
+    (else :func:`_eager_fast_path` applies).
 
     The Function runs the same implementation and the same gradient formulas (:mod:`tritonmm.ops`)
     and casts under autocast as the op's autocast rule does; it skips the torch.library dispatcher's
     Python layers, which cost 40-150 µs per call and per backward on a CPU host (more on the H200's).
     """
-    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
-        return False
-    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
-        return False
     for t in tensors:
         if t is not None and (type(t) not in _PLAIN or t.device.type not in ("cpu", "cuda")):
             return False
@@ -147,10 +146,11 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
     _require_tensor("other", b, "matmul")
     if _torch_only(a, b):
         return torch.matmul(a, b)
-    if _eager_fast_path(a, b):
-        return engine.matmul(a, b)
-    if _eager_autograd_path(a, b):
-        return _MatmulFunction.apply(*_autocast_inputs((a, b)))
+    if _eager():
+        if _eager_fast_path(a, b):
+            return engine.matmul(a, b)
+        if _eager_autograd_path(a, b):
+            return _MatmulFunction.apply(*_autocast_inputs((a, b)))
     return torch.ops.tritonmm.matmul(a, b)
 
 
@@ -181,11 +181,12 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
         _require_tensor("bias", bias, "linear")
     if _torch_only(x, weight, bias):  # under autograd / functorch: activation out of place
         return engine.torch_linear(x, weight, bias, activation, inplace=False)
-    if _eager_fast_path(x, weight, bias):
-        return engine.linear(x, weight, bias, activation)
-    if _eager_autograd_path(x, weight, bias):
-        x, weight, bias = _autocast_inputs((x, weight, bias))
-        return _LinearFunction.apply(x, weight, bias, activation)
+    if _eager():
+        if _eager_fast_path(x, weight, bias):
+            return engine.linear(x, weight, bias, activation)
+        if _eager_autograd_path(x, weight, bias):
+            x, weight, bias = _autocast_inputs((x, weight, bias))
+            return _LinearFunction.apply(x, weight, bias, activation)
     return torch.ops.tritonmm.linear(x, weight, bias, activation)
 
 
