@@ -93,15 +93,17 @@ def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, 
         sa, sb = a2.stride(), b2.stride()
 
         copy_specs = [(km.tma_copy_shape(t), dtype) for t, c in ((a2, copy_a), (b2, copy_b)) if c]
+        copy_a_fn = km.tma_copier(a2) if copy_a else None
+        copy_b_fn = km.tma_copier(b2) if copy_b else None
 
         def operands(a, b):  # aligned copies go to the reused workspace (see tritonmm.workspace)
             if not copy_specs:
                 return a, b
             bufs = workspace.buffers(device, copy_specs)
             if copy_a:
-                a = km.tma_view(a.as_strided((M, K), sa), bufs.pop(0))
+                a = copy_a_fn(a.as_strided((M, K), sa), bufs.pop(0))
             if copy_b:
-                b = km.tma_view(b.as_strided((K, N), sb), bufs.pop(0))
+                b = copy_b_fn(b.as_strided((K, N), sb), bufs.pop(0))
             return a, b
     else:
         launch = km.pointer_launcher(M, N, K, plan.a4.shape[0], plan.a4.shape[1], plan.a4.stride(),

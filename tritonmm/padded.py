@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import activations, workspace
+from .kernels import copy as copy_kernel
 from .shapes import Plan
 
 PAD = 64  # elements: K and N round up to this (64 beat 8 on 2305³: cuBLAS's heuristics like it)
@@ -77,6 +78,15 @@ def runner(plan: Plan, dtype: torch.dtype, device: torch.device, activation: str
     if copy_c:
         specs.append(((M, Np), dtype))
     out_shape = plan.out_shape
+    fast = copy_kernel.usable(device)  # one Triton pass per copy (zeros included); else torch's copies
+    if fast:
+        if copy_a:
+            pc_a = copy_kernel.PadCopy((M, K), sa, (M, Kp), Kp)
+        if copy_b:
+            pc_b = (copy_kernel.PadCopy((N, K), (sb[1], sb[0]), (Np, Kp), Kp) if b_col
+                    else copy_kernel.PadCopy((K, N), sb, (Kp, Np), Np))
+        if copy_c:
+            pc_c = copy_kernel.PadCopy((M, N), (Np, 1), (M, N), N)
 
     def run(a: Tensor, b: Tensor, bias_: Tensor | None) -> Tensor:
         a = a.as_strided((M, K), sa)
@@ -85,18 +95,27 @@ def runner(plan: Plan, dtype: torch.dtype, device: torch.device, activation: str
         bufs = workspace.buffers(device, specs)
         if copy_a:
             ap = bufs.pop(0)
-            ap[:, :K].copy_(a)
-            ap[:, K:].zero_()
+            if fast:
+                pc_a(a, ap)
+            else:
+                ap[:, :K].copy_(a)
+                ap[:, K:].zero_()
             a = ap
         if copy_b:
             bp = bufs.pop(0)
             if b_col:  # keep the weight's (N, K) row-major order: coalesced copy, cuBLAS reads it transposed
-                bp[:N, :K].copy_(b.mT)
-                bp[:, K:].zero_()  # padded K is zero; padded N rows only reach discarded columns of C
+                if fast:
+                    pc_b(b.mT, bp)
+                else:
+                    bp[:N, :K].copy_(b.mT)
+                    bp[:, K:].zero_()  # padded K is zero; padded N rows only reach discarded columns of C
                 b = bp.mT
             else:
-                bp[:K, :N].copy_(b)
-                bp[K:].zero_()
+                if fast:
+                    pc_b(b, bp)
+                else:
+                    bp[:K, :N].copy_(b)
+                    bp[K:].zero_()
                 b = bp
         c = bufs.pop(0) if copy_c else out.view(M, N)
         if bias_ is not None:
@@ -107,7 +126,10 @@ def runner(plan: Plan, dtype: torch.dtype, device: torch.device, activation: str
         else:
             torch.mm(a, b, out=c)
         if copy_c:
-            out.view(M, N).copy_(c[:, :N])
+            if fast:
+                pc_c(c, out.view(M, N))
+            else:
+                out.view(M, N).copy_(c[:, :N])
         return activations.apply_(out, activation)
 
     return run

@@ -619,3 +619,28 @@ def tma_view(t: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
     buf = buf[:, :inner]
     buf.copy_(src)
     return buf.mT if col else buf
+
+
+def tma_copier(t: torch.Tensor):
+    """A function ``(x, buf) -> view`` doing :func:`tma_view`'s copy for operands of ``t``'s geometry.
+
+    One pass of :class:`tritonmm.kernels.copy.PadCopy` on CUDA (and under the interpreter),
+    built once per geometry; torch's ``copy_`` elsewhere. ``buf`` is as in :func:`tma_view`.
+    """
+    from . import copy as copy_kernel
+
+    if not copy_kernel.usable(t.device):
+        return tma_view
+    col = _is_col_major(t)
+    src = t.mT if col else t
+    rows, inner = src.shape
+    lead = tma_copy_shape(t)[1]
+    pc = copy_kernel.PadCopy((rows, inner), src.stride(), (rows, inner), lead)
+
+    def copy(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        pc(x.mT if col else x, buf)
+        view = buf[:, :inner]
+        return view.mT if col else view
+
+    return copy
+
