@@ -32,6 +32,21 @@ def test_choose_cublas_when_any_shape_is_slower():
     assert choose(group)["backend"] == "torch"
 
 
+def test_choose_decides_on_the_paired_timing():
+    # the sweep saw A win (5 vs 10 us); the alternating head-to-head of A against torch says torch
+    lose = shape(1, 10.0, [(A, 5.0), (B, 7.0)])
+    lose["paired"] = {"kernel": "pointer", "config": A, "torch_us": 8.0, "us": 8.5}
+    e = choose([lose])
+    assert e["backend"] == "torch" and e["config"] == A and e["triton_us"] == 8.5 and e["torch_us"] == 8.0
+    win = shape(1, 4.0, [(A, 5.0)])  # and the other way round
+    win["paired"] = {"kernel": "pointer", "config": A, "torch_us": 6.0, "us": 5.5}
+    assert choose([win])["backend"] == "triton"
+    # a pairing of another config than the group's pick is ignored
+    other = shape(1, 10.0, [(A, 5.0), (B, 7.0)])
+    other["paired"] = {"kernel": "pointer", "config": B, "torch_us": 1.0, "us": 9.0}
+    assert choose([other])["backend"] == "triton" and choose([other])["triton_us"] == 5.0
+
+
 def test_choose_nothing_ran():
     assert choose([shape(1, 10.0, [])])["backend"] == "torch"
 

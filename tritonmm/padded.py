@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from . import activations, workspace
-from .kernels import copy as copy_kernel
 from .shapes import Plan
 
 PAD = 64  # elements: K and N round up to this (64 beat 8 on 2305³: cuBLAS's heuristics like it)
@@ -78,6 +77,8 @@ def runner(plan: Plan, dtype: torch.dtype, device: torch.device, activation: str
     if copy_c:
         specs.append(((M, Np), dtype))
     out_shape = plan.out_shape
+    from .kernels import copy as copy_kernel  # imports triton: not at ``import tritonmm``
+
     fast = copy_kernel.usable(device)  # one Triton pass per copy (zeros included); else torch's copies
     if fast:
         if copy_a:

@@ -8,7 +8,9 @@ every candidate config of each applicable kernel (persistent TMA, pointer, split
 and, where a leading dimension is unaligned, cuBLAS on zero-padded copies ("padded"),
 through the full ``tritonmm.matmul`` call (copies and Python overhead included), checks each
 result against a float64 reference, and records the winner: a Triton kernel and config, or
-cuBLAS when it was faster. The table (``configs/tuned/<gpu>-sm<cc>-<sms>sms-triton<v>.json``) is
+cuBLAS when it was faster. The fastest candidate is then timed against torch.matmul once more, in
+alternation (``--pair-rounds`` turns each), and that head-to-head decides the backend: the sweep
+runs for minutes and the GPU's clock drifts as it heats. The table (``configs/tuned/<gpu>-sm<cc>-<sms>sms-triton<v>.json``) is
 used by the dispatcher on a GPU of the same compute capability, SM count and Triton version, so a
 fresh process benchmarks nothing for tabled shapes. Shapes that share a key (e.g. M = 1 and 16)
 get the config with the best total normalized time over them. Times in µs (median of
@@ -40,6 +42,9 @@ def parse_args(argv=None):
                    help="what to measure besides torch.matmul; 'padded' is cuBLAS on zero-padded aligned copies, "
                         "measured where a leading dimension is unaligned")
     p.add_argument("--rep", type=int, default=25, help="do_bench rep time per config in ms")
+    p.add_argument("--pair-rounds", type=int, default=6,
+                   help="turns of the final alternating timing of the fastest candidate against torch.matmul, "
+                        "which decides the backend (0: decide on the sweep's own times)")
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="output file, or a directory for the default name (default: configs/tuned/)")
     p.add_argument("--merge", action="store_true", help="keep entries of an existing table that this run does not measure")
@@ -119,6 +124,18 @@ def measure_shape(shape: dict, dtype, layout: str, args, gen) -> dict:
             except Exception as exc:  # a config that does not compile or run is recorded, not fatal
                 entry["failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             res["configs"].append(entry)
+    timed = [c for c in res["configs"] if "us" in c]
+    if timed and args.pair_rounds:
+        # the decision against cuBLAS: the fastest candidate and torch.matmul again, in alternation, so
+        # clock drift over the sweep (an H200 slows as it heats) does not favour whichever ran first
+        from .bench import _bench_pair
+
+        best = min(timed, key=lambda c: c["us"])
+        force = ("torch", "padded") if best["kernel"] == "padded" else ("triton", best["kernel"], best["config"])
+        with tritonmm.force_backend(*force):
+            t_torch, t_best = _bench_pair(lambda: torch.matmul(a, b), lambda: tritonmm.matmul(a, b),
+                                          rep=args.rep * args.pair_rounds, rounds=args.pair_rounds)
+        res["paired"] = {"kernel": best["kernel"], "config": best["config"], "torch_us": t_torch, "us": t_best}
     return res
 
 
@@ -128,14 +145,18 @@ def choose(group: list[dict]) -> dict:
         return c["kernel"], json.dumps(c["config"], sort_keys=True)
 
     timed = [{ident(c): c["us"] for c in r["configs"] if "us" in c} for r in group]
+    paired = [r.get("paired") for r in group]
     common = set.intersection(*(set(t) for t in timed)) if timed else set()
     best = {i: min(t.values()) for i, t in enumerate(timed) if t}
     if not common or len(best) < len(group):
         return {"backend": "torch", "kernel": None, "config": None, "triton_us": None,
                 "torch_us": max(r["torch_us"] for r in group), "note": "no Triton config ran on every shape"}
     pick = min(common, key=lambda k: sum(t[k] / best[i] for i, t in enumerate(timed)))
-    tri = [t[pick] for t in timed]
-    tor = [r["torch_us"] for r in group]
+    # per shape: the alternating head-to-head where it timed the pick, else the sweep's own times
+    both = [(p["us"], p["torch_us"]) if p and ident(p) == pick else (t[pick], r["torch_us"])
+            for p, t, r in zip(paired, timed, group)]
+    tri = [x for x, _ in both]
+    tor = [y for _, y in both]
     wins = all(x < y for x, y in zip(tri, tor))
     if pick[0] == "padded":  # cuBLAS on padded copies: a torch entry that names the padded path when it wins
         return {"backend": "torch", "kernel": "padded" if wins else None, "config": None,
