@@ -12,7 +12,7 @@ Rules, in order (first match wins):
 5. 2-D problems with a leading dimension that is not 16-byte aligned (4095, 4097, ...),
    large (``PAD_MIN_FLOPS``) and math-bound (arithmetic intensity >= ``PAD_MIN_INTENSITY``
    FLOP/byte) enough to pay for copies -> cuBLAS on zero-padded aligned copies
-   (``kernel="padded"``, :mod:`tritonmm.padded`: 3.3x torch.matmul on 4097³ bfloat16, H200).
+   (``kernel="padded"``, :mod:`tritonmm.padded`: 4.1x torch.matmul on 4097³ bfloat16, H200).
 6. problems too small to pay for a launch (< ``MIN_FLOPS``), batched GEMMs, float32
    (TF32) GEMMs and everything else -> cuBLAS.
 

@@ -5,10 +5,12 @@ H200 a bfloat16 GEMM of 4097³ runs at about 134 TFLOP/s against 768 at 4096³ (
 *Matrix Multiplication Background*, "Tensor Core Requirements"). Copying the operands
 into buffers whose K and N are rounded up to a multiple of :data:`PAD` (zeros in the
 padded K range, so the sum over K is unchanged), running cuBLAS there and copying the
-(M, N) corner of the result back measured 3.3x faster than torch.matmul on 4097³ and
-2.7x on 2305³ (bfloat16, H200), where the persistent TMA kernel on aligned copies gave
-2.4x and 1.1x. Results are cuBLAS's own on the padded problem: padded rows and columns
-of K only add exact zeros.
+(M, N) corner of the result back measured 4.1x faster than torch.matmul on 4097³, 3.8x
+on 4095³ and 3.4x on 2305³ (bfloat16, H200), where the persistent TMA kernel on aligned
+copies gave 2.6x and 2.8x (and 1.1x on 2305³ in an earlier run). Each copy is one pass of the Triton pad-copy kernel
+(:mod:`tritonmm.kernels.copy`, zeros included) on CUDA and under the interpreter, torch's
+``copy_`` and ``zero_`` elsewhere. Results are cuBLAS's own on the padded problem: padded
+rows and columns of K only add exact zeros.
 
 The buffers come from :mod:`tritonmm.workspace` (reused per thread, device and stream):
 extra memory is at most the padded sizes of A, B and C.
