@@ -186,6 +186,7 @@ def main(argv=None) -> int:
                 "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
                 "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
                 "gemm_paths_rank0": dict(paths), "weights_abs_sum": weights, "losses": losses, "step_ms": [t * 1e3 for t in times], "median_step_ms": median_ms}, indent=1))
+    dist.barrier()  # every rank done with its collectives before any tears down (gloo aborted at exit otherwise)
     dist.destroy_process_group()
     return 0
 
