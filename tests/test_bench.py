@@ -85,3 +85,28 @@ def test_gpu_run_writes_json_and_csv_without_plot(tmp_path):
     assert all(r["ok"] and r["kernel_ok"] for r in data["rows"])
     assert all(r["torch_us"] > 0 and r["tritonmm_us"] > 0 for r in data["rows"])
     assert data["machine"]["gpu"] and len(table.read_text().splitlines()) == 3
+
+
+def test_inductor_columns_come_from_a_separate_pass(monkeypatch):
+    """Inductor runs after every torch.matmul / tritonmm timing, once per row, on operands of the row's shape."""
+    import torch
+
+    events = []
+    monkeypatch.setattr(bench, "_matmul_operands", lambda shape, dtype, layout, gen: (
+        torch.ones(shape["M"], shape["K"]), torch.ones(shape["K"], shape["N"])))
+
+    def fake_inductor(row, fn, args, *inputs):
+        events.append((row["M"], tuple(inputs[0].shape), tuple(inputs[1].shape)))
+        row["inductor_us"] = 2.0
+        row["vs_inductor"] = row["inductor_us"] / row["tritonmm_us"]
+
+    monkeypatch.setattr(bench, "bench_inductor", fake_inductor)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch, "Generator", lambda device: type("G", (), {"manual_seed": lambda self, s: self})())
+    rows = [_row("odd", 1.0, 1.0, M=3, N=5, K=7), _row("square", 1.0, 1.0, M=4, N=4, K=4)]
+    work = [({"M": 3, "N": 5, "K": 7}, torch.bfloat16), ({"M": 4, "N": 4, "K": 4}, torch.bfloat16)]
+    args = bench.parse_args(["--compare", "inductor"])
+    bench.inductor_pass(rows, work, args)
+    assert events == [(3, (3, 7), (7, 5)), (4, (4, 4), (4, 4))]
+    assert rows[0]["inductor_tflops"] == pytest.approx(2 * 3 * 5 * 7 / 2.0 / 1e6)
+    assert rows[1]["vs_inductor"] == pytest.approx(0.2)
