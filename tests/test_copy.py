@@ -59,7 +59,24 @@ def test_pad_copy_function_and_errors():
         copy_kernel.pad_copy(src, dst.double())
     with pytest.raises(ValueError, match="unit column stride"):
         copy_kernel.pad_copy(src, torch.zeros(16, 6, device=DEV).t())
+    with pytest.raises(ValueError, match="overlap"):
+        copy_kernel.pad_copy(src, torch.zeros(16, device=DEV).expand(6, 16))
     copy_kernel.pad_copy(src[:0], dst[:0])  # empty: nothing to launch, no error
+
+
+def test_pad_copy_refuses_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        copy_kernel.pad_copy(torch.ones(2, 3), torch.zeros(2, 4))
+
+
+def test_pad_copy_grid_fits_cuda_limits():
+    """One grid axis (CUDA caps axes 1 and 2 at 65535): rows of 2**24 + 1 elements, a million rows."""
+    for shape in ((600, 2**24 + 1), (2**20 + 3, 64)):
+        pc = copy_kernel.PadCopy(shape, (shape[1], 1), (shape[0], shape[1] + 63), shape[1] + 63)
+        g0, g1, g2 = pc.launch.grid
+        assert g1 == g2 == 1 and g0 < 2**31 - 1
+        assert g0 == -(-shape[0] // copy_kernel.BLOCK_R) * -(-(shape[1] + 63) // copy_kernel.BLOCK_C)
 
 
 @needs_kernel

@@ -28,8 +28,11 @@ def _pad_copy_kernel(
     stride_sr, stride_sc, stride_dr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    # a 1-D grid (CUDA caps grid axes 1 and 2 at 65535 programs; axis 0 at 2**31 - 1)
+    pid = tl.program_id(0).to(tl.int64)
+    blocks_c = tl.cdiv(dst_cols, BLOCK_C)
+    offs_r = (pid // blocks_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = (pid % blocks_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     inside = (offs_r[:, None] < rows) & (offs_c[None, :] < cols)
     x = tl.load(src_ptr + offs_r[:, None] * stride_sr + offs_c[None, :] * stride_sc, mask=inside, other=0.0)
     window = (offs_r[:, None] < dst_rows) & (offs_c[None, :] < dst_cols)
@@ -61,7 +64,7 @@ class PadCopy:
         if dst_rows < rows or dst_cols < cols:
             raise ValueError(f"destination window {dst_window} smaller than the source {src_shape}")
         self.ints = (rows, cols, dst_rows, dst_cols, src_strides[0], src_strides[1], dst_stride)
-        grid = (triton.cdiv(dst_rows, BLOCK_R), triton.cdiv(dst_cols, BLOCK_C))
+        grid = (triton.cdiv(dst_rows, BLOCK_R) * triton.cdiv(dst_cols, BLOCK_C),)
         self.launch = _DirectLaunch(_pad_copy_kernel, grid, dict(BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4))
         self.empty = dst_rows == 0 or dst_cols == 0
 
@@ -83,10 +86,16 @@ def pad_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
         dst (Tensor): (dst_rows >= rows, dst_cols >= cols), unit column stride.
 
     Raises:
-        ValueError: shapes, dtypes, devices or ``dst``'s column stride do not fit.
+        ValueError: shapes, dtypes or devices do not fit; ``dst`` lacks a unit column stride or has
+            overlapping rows (as torch's ``copy_`` refuses to write overlapping memory); a device
+            the kernel cannot run on (CPU without ``TRITON_INTERPRET=1``).
     """
     if src.dim() != 2 or dst.dim() != 2 or src.dtype != dst.dtype or src.device != dst.device:
         raise ValueError("pad_copy: src and dst must be 2-D tensors of one dtype and device")
     if dst.stride(1) != 1 and dst.shape[1] > 1:
         raise ValueError("pad_copy: dst needs a unit column stride")
+    if dst.shape[0] > 1 and dst.stride(0) < dst.shape[1]:
+        raise ValueError("pad_copy: dst rows overlap (row stride smaller than the row length)")
+    if not usable(dst.device):
+        raise ValueError(f"pad_copy: the kernel runs on CUDA, or on CPU under TRITON_INTERPRET=1; got {dst.device}")
     PadCopy(src.shape, src.stride(), dst.shape, dst.stride(0))(src, dst)
