@@ -47,7 +47,7 @@ def test_markdown_tables_carry_the_check(tmp_path, capsys):
     rows = [line for line in out if line.startswith("| bfloat16 | matmul")]
     assert rows[0].endswith("| FAIL |") and rows[1].endswith("| ok |") and "matmul nt" in rows[1]
     summary = [line for line in out if line.startswith("| bfloat16 | all |")]
-    assert summary == ["| bfloat16 | all | 2 | 2.449 | 2.00 | 3.464 |"]  # geomeans of (2, 3) and (4, 3)
+    assert summary == ["| bfloat16 | all | 2 | 2.449 | 2.000 | 3.464 |"]  # geomeans of (2, 3) and (4, 3)
     assert out[0].startswith("G (7 SMs")
 
 
@@ -110,3 +110,17 @@ def test_inductor_columns_come_from_a_separate_pass(monkeypatch):
     assert events == [(3, (3, 7), (7, 5)), (4, (4, 4), (4, 4))]
     assert rows[0]["inductor_tflops"] == pytest.approx(2 * 3 * 5 * 7 / 2.0 / 1e6)
     assert rows[1]["vs_inductor"] == pytest.approx(0.2)
+
+
+def test_markdown_inductor_columns_and_bad_json(tmp_path, capsys):
+    rows = [_row("square-a", 2.0, 4.0, 1.5), _row("odd-a", 0.9871, 3.0, 2.0)]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"runs": [{"machine": {"gpu": "GPU-X"}}], "rows": rows}))
+    assert bench.main(["--from-json", str(run), "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU-X" in out and "vs Inductor" in out and "| 0.987 |" in out  # min ratio to 3 decimals
+    assert "| 15.0 | 3.0 | 1.50 |" in out  # Inductor µs, tuning s, Inductor time / tritonmm time
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"floor": []}))
+    assert bench.main(["--from-json", str(bad)]) == 2
+    assert "not a --json run" in capsys.readouterr().err

@@ -398,39 +398,58 @@ def plot(rows: list[dict], path: pathlib.Path, title: str = "") -> None:
 
 
 def markdown(rows: list[dict], summary: list[dict], machine: dict) -> str:
-    """The README's benchmark tables (summary per dtype and shape class, then every row) as Markdown."""
+    """The README's benchmark tables (summary per dtype and shape class, then every row) as Markdown,
+    with the Inductor columns when the run has them (``--compare inductor``)."""
     smi = machine.get("nvidia_smi") or {}
+    linear = any(str(r.get("op", "")).startswith("linear") for r in rows)
+    ratio = ("F.gelu(F.linear) time / tritonmm.linear time" if linear else "torch.matmul time / tritonmm time")
+    ind = any("vs_inductor" in r for r in rows)
     lines = [f"{machine.get('gpu', '?')} ({machine.get('sms', '?')} SMs, SM clock {smi.get('clocks.sm', '?')}), "
              f"torch {machine.get('torch', '?')}, triton {machine.get('triton', '?')}, CUDA {machine.get('cuda', '?')}, "
-             f"{machine.get('date', '?')}. Ratio = torch.matmul time / tritonmm time (> 1: tritonmm faster); "
-             "kernel = the Triton kernel alone (dispatch forced to Triton).", "",
-             "| dtype | class | n | geomean ratio | min ratio | kernel geomean |", "|---|---|---|---|---|---|"]
+             f"{machine.get('date', '?')}. Ratio = {ratio} (> 1: tritonmm faster); "
+             "kernel = the Triton kernel alone (dispatch forced to Triton)"
+             + ("; vs Inductor = Inductor max-autotune time / tritonmm time." if ind else "."), "",
+             "| dtype | class | n | geomean ratio | min ratio | kernel geomean |" + (" vs Inductor |" if ind else ""),
+             "|---|---|---|---|---|---|" + ("---|" if ind else "")]
     for s in summary:
-        lines.append(f"| {s['dtype']} | {s['class']} | {s['n']} | {s['ratio']:.3f} | {s['min_ratio']:.2f} | "
-                     f"{s['kernel_ratio']:.3f} |")
+        lines.append(f"| {s['dtype']} | {s['class']} | {s['n']} | {s['ratio']:.3f} | {s['min_ratio']:.3f} | "
+                     f"{s['kernel_ratio']:.3f} |" + (f" {s.get('vs_inductor') or float('nan'):.3f} |" if ind else ""))
     lines += ["", "| dtype | op | tag | M | N | K | backend | tritonmm µs | TFLOP/s | torch µs | TFLOP/s | ratio "
-                  "| kernel ratio | check |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| kernel ratio | check |" + (" Inductor µs | Inductor tuning s | vs Inductor |" if ind else ""),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if ind else "")]
     for r in rows:
         op = r.get("op", f"matmul {r.get('layout', 'nn')}")
-        lines.append(f"| {r['dtype']} | {op} | {r['tag']} | {r['M']} | {r['N']} | {r['K']} | {r['backend']} | "
-                     f"{r['tritonmm_us']:.1f} | {r['tritonmm_tflops']:.0f} | {r['torch_us']:.1f} | "
-                     f"{r['torch_tflops']:.0f} | {r['ratio']:.2f} | {r.get('kernel_ratio', float('nan')):.2f} | "
-                     f"{_check(r)} |")
+        line = (f"| {r['dtype']} | {op} | {r['tag']} | {r['M']} | {r['N']} | {r['K']} | {r['backend']} | "
+                f"{r['tritonmm_us']:.1f} | {r['tritonmm_tflops']:.0f} | {r['torch_us']:.1f} | "
+                f"{r['torch_tflops']:.0f} | {r['ratio']:.2f} | {r.get('kernel_ratio', float('nan')):.2f} | "
+                f"{_check(r)} |")
+        if ind:
+            line += (f" {r.get('inductor_us', float('nan')):.1f} | {r.get('inductor_tune_s', float('nan')):.1f} | "
+                     f"{r.get('vs_inductor', float('nan')):.2f} |")
+        lines.append(line)
     return "\n".join(lines)
 
 
 def from_json(args) -> int:
-    """Print (and plot, or write as CSV) an earlier run's JSON: no GPU needed."""
+    """Print (and plot, or write as CSV) an earlier run's JSON: no GPU needed.
+
+    Returns 2, with a message, for a file that is not a ``--json`` run of this tool.
+    """
     data = json.loads(args.from_json.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        print(f"python -m tritonmm.bench: error: {args.from_json} is not a --json run of python -m tritonmm.bench "
+              "(no 'rows' list)", file=sys.stderr)
+        return 2
     rows = data["rows"]
+    machine = data.get("machine") or next((r.get("machine") for r in data.get("runs", []) if r.get("machine")), {})
     if args.markdown:
-        print(markdown(rows, summarize(rows), data.get("machine", {})))
+        print(markdown(rows, summarize(rows), machine))
     else:
         print_table(rows, summarize(rows))
     if args.csv:
         write_csv(rows, args.csv)
     if args.plot:
-        m = data.get("machine", {})
+        m = machine
         plot(rows, args.plot, f"{m.get('gpu', '?')}, torch {m.get('torch', '?')}, triton {m.get('triton', '?')}, "
                               f"{m.get('date', '')[:10]}")
         print(f"wrote {args.plot}")

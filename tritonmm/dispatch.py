@@ -266,7 +266,7 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
     intensity = flops / (dtype.itemsize * (M * K + K * N + M * N))
     if flops >= PAD_MIN_FLOPS and intensity >= PAD_MIN_INTENSITY and padded.padded_shape(plan, dtype) is not None:
         return Decision("torch", "padded", "unaligned leading dimension: cuBLAS on zero-padded aligned copies "
-                                           "(cuBLAS is 3-7x slower on unaligned rows)")
+                                           "(cuBLAS is about 5x slower on unaligned rows)")
     if flops < MIN_FLOPS:
         return Decision("torch", None, f"{flops / 1e6:.2f} MFLOP is too small to pay for a Triton launch")
     if batch > 1:

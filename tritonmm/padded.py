@@ -1,7 +1,7 @@
 """cuBLAS on zero-padded, aligned copies of unaligned operands (the "padded" path).
 
 cuBLAS needs 16-byte aligned leading dimensions for its fast Tensor Core kernels: on an
-H200 a bfloat16 GEMM of 4097³ runs at about 134 TFLOP/s against 768 at 4096³ (NVIDIA,
+H200 a bfloat16 GEMM of 4097³ runs at about 133 TFLOP/s against 743 at 4096³ (NVIDIA,
 *Matrix Multiplication Background*, "Tensor Core Requirements"). Copying the operands
 into buffers whose K and N are rounded up to a multiple of :data:`PAD` (zeros in the
 padded K range, so the sum over K is unchanged), running cuBLAS there and copying the
