@@ -3,7 +3,7 @@
 #   smoke   one call per kernel path, errors printed
 #   tune    python -m tritonmm.tune (bf16 suite) -> $OUT/tuned.json, installed into configs/tuned/
 #   tests   pytest -m gpu
-#   bench   python -m tritonmm.bench --dtype bfloat16 -> $OUT/bench_bf16.json
+#   bench   python -m tritonmm.bench (every dtype, as in the README) -> $OUT/h200.json, $OUT/h200.png
 #   inductor python -m tritonmm.bench --compare inductor on BENCH_TAGS (default odd square) -> $OUT/bench_inductor.*
 #   linear  python -m tritonmm.bench --linear -> $OUT/bench_linear.json
 #   models  examples/real_models.py -> $OUT/real_models.json
@@ -65,7 +65,7 @@ PY
             tests/test_fuzz.py 2>&1 | tee "$OUT/gpu_fuzz.log" | tail -30 ;;
     tests) T "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \
              tests/test_gpu.py tests/test_fuzz.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
-    bench) T "${BENCH_TIMEOUT:-300}" python3 -m tritonmm.bench --dtype bfloat16 --json "$OUT/bench_bf16.json" ;;
+    bench) T "${BENCH_TIMEOUT:-300}" python3 -m tritonmm.bench --rep 60 --json "$OUT/h200.json" --plot "$OUT/h200.png" ;;
     inductor) T "${BENCH_TIMEOUT:-240}" python3 -m tritonmm.bench --dtype bfloat16 --tags ${BENCH_TAGS:-odd square} \
                 --compare inductor --json "$OUT/bench_inductor.json" --plot "$OUT/bench_inductor.png" ;;
     linear) T 200 python3 -m tritonmm.bench --linear --dtype bfloat16 --json "$OUT/bench_linear.json" ;;
