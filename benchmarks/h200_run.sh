@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Steps run on the lent H200 (device tool): bash benchmarks/h200_run.sh STEP... ; results under $OUT.
 #   smoke   one call per kernel path, errors printed
-#   tune    python -m tritonmm.tune (bf16 suite) -> $OUT/tuned.json, installed into configs/tuned/
+#   tune    python -m tritonmm.tune --merge (bf16 suite) into configs/tuned/<gpu table>.json, copied to $OUT
 #   tests   pytest -m gpu
 #   bench   python -m tritonmm.bench (every dtype, as in the README) -> $OUT/h200.json, $OUT/h200.png
 #   inductor python -m tritonmm.bench --compare inductor on BENCH_TAGS (default odd square) -> $OUT/bench_inductor.*
@@ -56,8 +56,8 @@ pstats.Stats("/tmp/prof").sort_stats("tottime").print_stats(18)
 PY
     ;;
     tune) T "${TUNE_TIMEOUT:-330}" python3 -m tritonmm.tune --dtype bfloat16 --time-limit "${TUNE_LIMIT:-280}" \
-            --out "$OUT/tuned.json" 2>&1 | tee "$OUT/tune.log"
-          mkdir -p configs/tuned && cp "$OUT/tuned.json" configs/tuned/ 2>/dev/null ;;
+            --merge --out configs/tuned/ 2>&1 | tee "$OUT/tune.log"
+          cp configs/tuned/*.json "$OUT/" ;;
     tune_nt) T 150 python3 -m tritonmm.tune --dtype bfloat16 --tags llama8b --layout nt --time-limit 110 --merge \
                --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 | tee "$OUT/tune_nt.log" | tail -3
              cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/tuned_merged.json" ;;
