@@ -118,7 +118,12 @@ def main():
         close(g, q.grad, f"TP MLP grad {name}")
     dist.barrier()
     dist.destroy_process_group()
-    print(f"OK {checks}")
+    print(f"OK {checks}", flush=True)
+    sys.stderr.flush()
+    # skip interpreter teardown: torch's gloo threads sometimes abort there ("terminate called without
+    # an active exception", seen in about 1 of 4 CPU runs of the TP example and once in CI), after
+    # every check has passed
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def test_two_rank_dtensor_placements_and_values():
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+        assert p.returncode == 0, f"exit {p.returncode}; stdout: {out[-500:]}; stderr: {err[-3000:]}"
         assert out.strip().splitlines()[-1].startswith("OK"), out
 
 
