@@ -8,8 +8,8 @@ padded K range, so the sum over K is unchanged), running cuBLAS there and copyin
 (M, N) corner of the result back measured 4.1x faster than torch.matmul on 4097³, 3.8x
 on 4095³ and 3.4x on 2305³ (bfloat16, H200), where the persistent TMA kernel on aligned
 copies gave 2.6x and 2.8x (and 1.1x on 2305³ in an earlier run). Each copy is one pass of the Triton pad-copy kernel
-(:mod:`tritonmm.kernels.copy`, zeros included) on CUDA and under the interpreter, torch's
-``copy_`` and ``zero_`` elsewhere. Results are cuBLAS's own on the padded problem: padded
+(:func:`tritonmm.kernels.copy.copier`, zeros included) on CUDA and under the interpreter,
+torch's ``copy_`` and ``zero_`` elsewhere. Results are cuBLAS's own on the padded problem: padded
 rows and columns of K only add exact zeros.
 
 The buffers come from :mod:`tritonmm.workspace` (reused per thread, device and stream):
@@ -81,15 +81,14 @@ def runner(plan: Plan, dtype: torch.dtype, device: torch.device, activation: str
     out_shape = plan.out_shape
     from .kernels import copy as copy_kernel  # imports triton: not at ``import tritonmm``
 
-    fast = copy_kernel.usable(device)  # one Triton pass per copy (zeros included); else torch's copies
-    if fast:
-        if copy_a:
-            pc_a = copy_kernel.PadCopy((M, K), sa, (M, Kp), Kp)
-        if copy_b:
-            pc_b = (copy_kernel.PadCopy((N, K), (sb[1], sb[0]), (Np, Kp), Kp) if b_col
-                    else copy_kernel.PadCopy((K, N), sb, (Kp, Np), Np))
-        if copy_c:
-            pc_c = copy_kernel.PadCopy((M, N), (Np, 1), (M, N), N)
+    # one Triton pass per copy (zeros included) on CUDA and under the interpreter, torch's copies elsewhere
+    if copy_a:
+        copy_a_fn = copy_kernel.copier((M, K), sa, (M, Kp), Kp, device)
+    if copy_b:  # an (N, K) weight keeps its row-major order (coalesced copy; cuBLAS reads it transposed)
+        copy_b_fn = (copy_kernel.copier((N, K), (sb[1], sb[0]), (Np, Kp), Kp, device) if b_col
+                     else copy_kernel.copier((K, N), sb, (Kp, Np), Np, device))
+    if copy_c:
+        copy_c_fn = copy_kernel.copier((M, N), (Np, 1), (M, N), N, device)
 
     def run(a: Tensor, b: Tensor, bias_: Tensor | None) -> Tensor:
         a = a.as_strided((M, K), sa)
@@ -98,28 +97,12 @@ def runner(plan: Plan, dtype: torch.dtype, device: torch.device, activation: str
         bufs = workspace.buffers(device, specs)
         if copy_a:
             ap = bufs.pop(0)
-            if fast:
-                pc_a(a, ap)
-            else:
-                ap[:, :K].copy_(a)
-                ap[:, K:].zero_()
+            copy_a_fn(a, ap)
             a = ap
         if copy_b:
             bp = bufs.pop(0)
-            if b_col:  # keep the weight's (N, K) row-major order: coalesced copy, cuBLAS reads it transposed
-                if fast:
-                    pc_b(b.mT, bp)
-                else:
-                    bp[:N, :K].copy_(b.mT)
-                    bp[:, K:].zero_()  # padded K is zero; padded N rows only reach discarded columns of C
-                b = bp.mT
-            else:
-                if fast:
-                    pc_b(b, bp)
-                else:
-                    bp[:K, :N].copy_(b)
-                    bp[K:].zero_()
-                b = bp
+            copy_b_fn(b.mT if b_col else b, bp)
+            b = bp.mT if b_col else bp
         c = bufs.pop(0) if copy_c else out.view(M, N)
         if bias_ is not None:
             full = bias_.reshape(-1).expand(N)
@@ -129,10 +112,7 @@ def runner(plan: Plan, dtype: torch.dtype, device: torch.device, activation: str
         else:
             torch.mm(a, b, out=c)
         if copy_c:
-            if fast:
-                pc_c(c, out.view(M, N))
-            else:
-                out.view(M, N).copy_(c[:, :N])
+            copy_c_fn(c[:, :N], out.view(M, N))
         return activations.apply_(out, activation)
 
     return run

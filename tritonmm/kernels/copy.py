@@ -6,7 +6,7 @@ dst_cols) window of ``dst``: one kernel launch per operand instead of torch's st
 destination moved a 4097² bfloat16 operand in about 37 µs, about half the memory bandwidth
 (NVIDIA, *Matrix Multiplication Background*: these copies are memory-bound, so their cost
 is bytes moved over bandwidth). Under the interpreter the kernel runs on CPU tensors; on
-CPU without it the callers use torch's copies.
+CPU without it :func:`copier` falls back to torch's copies.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ def _pad_copy_kernel(
     tl.store(dst_ptr + offs_r[:, None] * stride_dr + offs_c[None, :], x, mask=window)
 
 
+def _check_window(src_shape, dst_window) -> None:
+    if dst_window[0] < src_shape[0] or dst_window[1] < src_shape[1]:
+        raise ValueError(f"destination window {tuple(dst_window)} smaller than the source {tuple(src_shape)}")
+
+
 def usable(device: torch.device) -> bool:
     """Whether the copy kernel can run on ``device``: CUDA, or CPU under the interpreter."""
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
@@ -59,10 +64,9 @@ class PadCopy:
     def __init__(self, src_shape, src_strides, dst_window, dst_stride: int):
         from .matmul import _DirectLaunch
 
+        _check_window(src_shape, dst_window)
         rows, cols = src_shape
         dst_rows, dst_cols = dst_window
-        if dst_rows < rows or dst_cols < cols:
-            raise ValueError(f"destination window {dst_window} smaller than the source {src_shape}")
         self.ints = (rows, cols, dst_rows, dst_cols, src_strides[0], src_strides[1], dst_stride)
         grid = (triton.cdiv(dst_rows, BLOCK_R) * triton.cdiv(dst_cols, BLOCK_C),)
         self.launch = _DirectLaunch(_pad_copy_kernel, grid, dict(BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4))
@@ -76,6 +80,28 @@ class PadCopy:
                 self.launch((src, dst, *self.ints))
         else:
             self.launch((src, dst, *self.ints))
+
+
+def copier(src_shape, src_strides, dst_window, dst_stride: int, device: torch.device):
+    """The copy ``(src, dst) -> None`` of one geometry (arguments as :class:`PadCopy`'s): a
+    :class:`PadCopy` where :func:`usable`, else torch's ``copy_`` and ``zero_`` with the same result.
+
+    Raises:
+        ValueError: the window is smaller than the source.
+    """
+    if usable(device):
+        return PadCopy(src_shape, src_strides, dst_window, dst_stride)
+    _check_window(src_shape, dst_window)
+    rows, cols = src_shape
+    dst_rows, dst_cols = dst_window
+
+    def torch_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+        window = dst[:dst_rows, :dst_cols]
+        window[:rows, :cols].copy_(src)
+        window[rows:].zero_()
+        window[:rows, cols:].zero_()
+
+    return torch_copy
 
 
 def pad_copy(src: torch.Tensor, dst: torch.Tensor) -> None:

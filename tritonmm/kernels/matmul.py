@@ -624,18 +624,15 @@ def tma_view(t: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
 def tma_copier(t: torch.Tensor):
     """A function ``(x, buf) -> view`` doing :func:`tma_view`'s copy for operands of ``t``'s geometry.
 
-    One pass of :class:`tritonmm.kernels.copy.PadCopy` on CUDA (and under the interpreter),
-    built once per geometry; torch's ``copy_`` elsewhere. ``buf`` is as in :func:`tma_view`.
+    :func:`tritonmm.kernels.copy.copier` (one Triton pass on CUDA and under the interpreter, torch's
+    ``copy_`` elsewhere), built once per geometry. ``buf`` is as in :func:`tma_view`.
     """
     from . import copy as copy_kernel
 
-    if not copy_kernel.usable(t.device):
-        return tma_view
     col = _is_col_major(t)
     src = t.mT if col else t
     rows, inner = src.shape
-    lead = tma_copy_shape(t)[1]
-    pc = copy_kernel.PadCopy((rows, inner), src.stride(), (rows, inner), lead)
+    pc = copy_kernel.copier((rows, inner), src.stride(), (rows, inner), tma_copy_shape(t)[1], t.device)
 
     def copy(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         pc(x.mT if col else x, buf)
@@ -643,4 +640,3 @@ def tma_copier(t: torch.Tensor):
         return view.mT if col else view
 
     return copy
-
