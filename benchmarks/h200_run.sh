@@ -58,7 +58,7 @@ PY
     tune) T "${TUNE_TIMEOUT:-330}" python3 -m tritonmm.tune --dtype bfloat16 --time-limit "${TUNE_LIMIT:-280}" \
             --merge --out configs/tuned/ 2>&1 | tee "$OUT/tune.log"
           cp configs/tuned/*.json "$OUT/" ;;
-    tune_nt) T 150 python3 -m tritonmm.tune --dtype bfloat16 --tags llama8b --layout nt --time-limit 110 --merge \
+    tune_nt) T 150 python3 -m tritonmm.tune --dtype bfloat16 --tags llama8b --layout nt --time-limit "${TUNE_NT_LIMIT:-110}" --merge \
                --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 | tee "$OUT/tune_nt.log" | tail -3
              cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/tuned_merged.json" ;;
     fuzz) T "${FUZZ_TIMEOUT:-240}" python3 -m pytest -m gpu -q --maxfail=5 --durations=10 -p no:cacheprovider \

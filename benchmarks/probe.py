@@ -295,6 +295,55 @@ def odd():
             print("odd", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in line.items()}, flush=True)
 
 
+def pairs():
+    """Short rows that both contenders serve with the same cuBLAS kernel: the bench's alternating pair
+    repeated 6 times, with the garbage collector on and off, against torch.matmul behind an added
+    busy-wait of host time (is a slower host path visible in the event timing?); each with the bench's
+    timer (a GPU spin after each L2 flush) and with plain do_bench."""
+    import gc
+
+    from tritonmm.bench import _bench_pair
+
+    def delayed(fn, seconds):
+        def run():
+            t = time.perf_counter()
+            while time.perf_counter() - t < seconds:
+                pass
+            return fn()
+        return run
+
+    def _do_bench_pair(f0, f1, rounds=10, rep=6):
+        times = ([], [])
+        for _ in range(rounds):
+            for i, fn in enumerate((f0, f1)):
+                times[i].extend(do_bench(fn, warmup=3, rep=rep, return_mode="all"))
+        return tuple(float(torch.tensor(t).median()) for t in times)
+
+    r = res.setdefault("pairs", [])
+    for dt in (torch.float16, torch.bfloat16):
+        for (M, N, K) in ((1000, 1000, 1000), (127, 257, 1023), (1024, 1024, 1024)):
+            a = torch.randn(M, K, device="cuda", dtype=dt)
+            b = torch.randn(K, N, device="cuda", dtype=dt)
+            tritonmm.matmul(a, b)
+            line = dict(dtype=str(dt)[6:], M=M, N=N, K=K, auto=tritonmm.explain(a, b).backend)
+            base = lambda: torch.matmul(a, b)  # noqa: E731
+            for name, fn, gc_on in (("tritonmm", lambda: tritonmm.matmul(a, b), True),
+                                    ("tritonmm_nogc", lambda: tritonmm.matmul(a, b), False),
+                                    ("torch+10us", delayed(base, 10e-6), True),
+                                    ("torch+40us", delayed(base, 40e-6), True)):
+                (gc.enable if gc_on else gc.disable)()
+                line[name] = [round(t / x, 3) for t, x in
+                              (_bench_pair(base, fn, rep=60, rounds=10) for _ in range(6))]
+                if gc_on:  # the same pair timed with plain do_bench (no spin after the flush)
+                    line[name + "_do_bench"] = [round(t / x, 3) for t, x in
+                                                (_do_bench_pair(base, fn) for _ in range(6))]
+                gc.enable()
+            line["host_us_torch"] = host_us(base)
+            line["host_us_tritonmm"] = host_us(lambda: tritonmm.matmul(a, b))
+            r.append(line)
+            print("pairs", line, flush=True)
+
+
 for step in sys.argv[1:]:
     t = time.time()
     try:

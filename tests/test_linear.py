@@ -164,3 +164,17 @@ def test_mixed_dtypes_outside_autocast_raise_like_f_linear():
         F.linear(x, w)
     with pytest.raises(RuntimeError, match="dtype"):
         tritonmm.linear(x, w)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_splitk_reduction_applies_epilogue_once(split):
+    """The split-K reduction kernel adds every K slice's partial exactly once, then a strided bias and
+    the activation, rounding once (K = 200 leaves a short last slice)."""
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_stages": 1, "num_warps": 4,
+           "SPLIT_K": split}
+    x, w, b = randn(19, 200), randn(45, 200), randn(90)[::2]
+    with tritonmm.force_backend("triton", "splitk", cfg):
+        assert tritonmm.explain(x, w.t()).kernel == "splitk"
+        out = tritonmm.linear(x, w, b, "gelu")
+    ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

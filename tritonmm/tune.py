@@ -52,13 +52,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+SPLITK_MAX_M = 256  # the largest M whose split-K configs are measured
+
+
 def applicable(kernel: str, M: int, N: int, device) -> bool:
-    from .dispatch import SMALL_M, _has_tma
+    from .dispatch import _has_tma
 
     if kernel == "tma":
         return _has_tma(device)
-    if kernel == "splitk":
-        return M <= SMALL_M
+    if kernel == "splitk":  # also past SMALL_M: at M = 128 a 4096-wide N is only 32-64 tiles for 132 SMs
+        return M <= SPLITK_MAX_M
     return True
 
 

@@ -5,7 +5,7 @@ Two kernels:
 * ``_matmul_kernel``: the tiled pointer-based GEMM of Triton's tutorial 03 (group-M
   program order for L2 reuse), reading any strides in place, masked for any M, N, K,
   with a two-level batch folded into grid axis 0 and an optional split-K over grid
-  axis 1 (fp32 partials reduced by the launcher).
+  axis 1 (fp32 partials summed by ``_splitk_reduce_kernel``, which applies the epilogue).
 * ``_matmul_tma_kernel``: a persistent kernel (grid = number of SMs, tiles visited in
   group-M order) loading tiles through device-side TMA tensor descriptors
   (``tl.make_tensor_descriptor``), after Triton's tutorial 09. Hopper (sm_90) and newer;
@@ -28,7 +28,7 @@ from triton import knobs
 from triton.runtime import _allocation
 from triton.runtime import driver as _driver
 
-from .. import activations, workspace
+from .. import workspace
 from .._env import autotune_enabled, deterministic_configs, interpreting
 from . import configs as _cfg
 
@@ -167,6 +167,30 @@ def _matmul_kernel(
     tl.store(c_ptrs, _to_output(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
 
 
+@triton.jit
+def _splitk_reduce_kernel(
+    p_ptr,  # (SPLIT_K, M, N) float32 partial sums, contiguous
+    c_ptr,  # (M, N) output, contiguous
+    bias_ptr,  # (N,) or a dummy when HAS_BIAS is False
+    MN, N, stride_bias,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Split-K epilogue in one pass: C = act(sum of the SPLIT_K partials + bias), rounded once.
+
+    Sums in partial order 0..SPLIT_K-1 (deterministic); 1-D grid over blocks of M*N elements.
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + (offs % N) * stride_bias, mask=mask, other=0.0).to(tl.float32)
+    acc = _activation(acc, ACTIVATION)
+    tl.store(c_ptr + offs, _to_output(acc, c_ptr.dtype.element_ty, UPCAST), mask=mask)
+
+
 # --------------------------------------------------------------------------- TMA persistent kernel
 
 
@@ -290,6 +314,8 @@ class _DirectLaunch:
         stream = _driver.active.get_current_stream(_driver.active.get_current_device())
         k.run(g0, g1, g2, stream, k.function, k.packed_metadata, None, None, None, *args, *self.tail)
 
+
+_REDUCE_BLOCK = 1024  # elements of C per program of the split-K reduction
 
 _BIG = 256  # the largest block edge in any config; bounds index overshoot in the INT64 check
 
@@ -430,7 +456,8 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
         bias_stride (int, optional): the (N,) bias's stride; None: no bias.
         activation (str): one of :data:`tritonmm.activations.ACTIVATIONS`.
         config (dict, optional): explicit config; default: autotuned (GPU), the interpreter's, or the heuristic's.
-        split_k (bool): split K over ``SPLIT_K`` programs, fp32 partials reduced here (needs B0 = B1 = 1).
+        split_k (bool): split K over ``SPLIT_K`` programs; their fp32 partials go to a workspace and one
+            reduction kernel sums them and applies the epilogue (needs B0 = B1 = 1).
     """
     kernel = "splitk" if split_k else "pointer"
     state = {"config": _fixed_config(kernel, config, M, N, K, dtype, device)}
@@ -458,7 +485,7 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
         target = c
         if split_k:  # fp32 partials and their sum live in the reused workspace (no per-call allocation)
             splits = cfg["SPLIT_K"] if cfg else max(x["SPLIT_K"] for x in _cfg.candidates("splitk"))
-            target, acc = workspace.buffers(c.device, [((splits, M, N), torch.float32), ((M, N), torch.float32)])
+            (target,) = workspace.buffers(c.device, [((splits, M, N), torch.float32)])
         args = (a, b, target, bias if bias is not None else target, *ints)
         if cfg is None:
             cfg = state["config"] = _autotune(kernel, grid, args, meta)
@@ -468,11 +495,14 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
                 direct = state["direct"] = _DirectLaunch(_matmul_kernel, grid({**cfg, **meta}),
                                                          {**meta, **cfg, "EVEN_K": K % cfg["BLOCK_K"] == 0})
             direct(args)
-        if split_k:
-            torch.sum(target[: cfg["SPLIT_K"]], dim=0, out=acc)
-            if bias is not None:
-                acc += bias.to(torch.float32)
-            c.view(M, N).copy_(activations.apply_(acc, activation))
+        if split_k:  # one fused pass: sum of the partials, bias, activation, rounding to C's dtype
+            reduce = state.get("reduce")
+            if reduce is None or reduce[0] != cfg["SPLIT_K"]:
+                reduce = state["reduce"] = (cfg["SPLIT_K"], _DirectLaunch(
+                    _splitk_reduce_kernel, (triton.cdiv(M * N, _REDUCE_BLOCK),),
+                    dict(SPLIT_K=cfg["SPLIT_K"], BLOCK=_REDUCE_BLOCK, HAS_BIAS=bias_stride is not None,
+                         ACTIVATION=activation, UPCAST=meta["UPCAST"], num_warps=4)))
+            reduce[1]((target, c, bias if bias is not None else target, M * N, N, bias_stride or 0))
 
     launch.state = state
     return launch
