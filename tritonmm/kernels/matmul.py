@@ -182,9 +182,11 @@ def _splitk_reduce_kernel(
     """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
-    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    p_ptrs = p_ptr + offs
+    acc = tl.load(p_ptrs, mask=mask, other=0.0)
+    for _ in tl.static_range(1, SPLIT_K):
+        p_ptrs += MN  # one partial further; a pointer step, so s * MN never overflows 32 bits
+        acc += tl.load(p_ptrs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + (offs % N) * stride_bias, mask=mask, other=0.0).to(tl.float32)
     acc = _activation(acc, ACTIVATION)
