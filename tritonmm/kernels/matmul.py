@@ -485,7 +485,7 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
         if cfg is None and capturing(c.device):
             cfg = state["config"] = _capture_config(kernel, M, N, K, dtype, device)
         target = c
-        if split_k:  # fp32 partials and their sum live in the reused workspace (no per-call allocation)
+        if split_k:  # fp32 partials live in the reused workspace (no per-call allocation)
             splits = cfg["SPLIT_K"] if cfg else max(x["SPLIT_K"] for x in _cfg.candidates("splitk"))
             (target,) = workspace.buffers(c.device, [((splits, M, N), torch.float32)])
         args = (a, b, target, bias if bias is not None else target, *ints)
@@ -499,12 +499,12 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
             direct(args)
         if split_k:  # one fused pass: sum of the partials, bias, activation, rounding to C's dtype
             reduce = state.get("reduce")
-            if reduce is None or reduce[0] != cfg["SPLIT_K"]:
-                reduce = state["reduce"] = (cfg["SPLIT_K"], _DirectLaunch(
+            if reduce is None:  # built after the first launch, when the config (and its SPLIT_K) is fixed
+                reduce = state["reduce"] = _DirectLaunch(
                     _splitk_reduce_kernel, (triton.cdiv(M * N, _REDUCE_BLOCK),),
                     dict(SPLIT_K=cfg["SPLIT_K"], BLOCK=_REDUCE_BLOCK, HAS_BIAS=bias_stride is not None,
-                         ACTIVATION=activation, UPCAST=meta["UPCAST"], num_warps=4)))
-            reduce[1]((target, c, bias if bias is not None else target, M * N, N, bias_stride or 0))
+                         ACTIVATION=activation, UPCAST=meta["UPCAST"], num_warps=4))
+            reduce((target, c, bias if bias is not None else target, M * N, N, bias_stride or 0))
 
     launch.state = state
     return launch
