@@ -344,6 +344,132 @@ def pairs():
             print("pairs", line, flush=True)
 
 
+def aa():
+    """A/A test of the bench timer: torch.matmul against itself (two lambdas), against itself behind
+    10/40 µs of host busy-wait, and tritonmm (dispatched to the same cuBLAS call), in the bench's
+    alternating pair; the spin after each flush at 0, 200k (bench default) and 1M cycles; raw
+    per-round medians and quantiles saved, to tell noise from bias."""
+    from tritonmm import bench as tb
+
+    def delayed(fn, seconds):
+        def run():
+            t = time.perf_counter()
+            while time.perf_counter() - t < seconds:
+                pass
+            return fn()
+        return run
+
+    def pair_samples(f0, f1, rep=60, rounds=10):
+        times, rounds_med = ([], []), ([], [])
+        for _ in range(rounds):
+            for i, fn in enumerate((f0, f1)):
+                t = tb._event_times_ms(fn, max(rep / rounds, 3))
+                times[i].extend(t)
+                rounds_med[i].append(round(float(torch.tensor(t).median()) * 1e3, 2))
+        def q(t):  # 5/25/50/75/95th percentiles, µs
+            qs = torch.tensor([.05, .25, .5, .75, .95], dtype=torch.float64)
+            return [round(v * 1e3, 2) for v in torch.tensor(t, dtype=torch.float64).quantile(qs).tolist()]
+        return dict(ratio=round(float(torch.tensor(times[0]).median() / torch.tensor(times[1]).median()), 4),
+                    n=(len(times[0]), len(times[1])), q0=q(times[0]), q1=q(times[1]),
+                    rounds0=rounds_med[0], rounds1=rounds_med[1],
+                    mean_ratio=round(float(torch.tensor(times[0]).mean() / torch.tensor(times[1]).mean()), 4))
+
+    r = res.setdefault("aa", [])
+    shapes = ((16, 4096, 4096, torch.bfloat16), (1, 4096, 4096, torch.float16), (127, 257, 1023, torch.float16),
+              (1, 4096, 14336, torch.bfloat16), (2304, 1536, 4096, torch.bfloat16))
+    for (M, N, K, dt) in shapes:
+        a = torch.randn(M, K, device="cuda", dtype=dt)
+        b = torch.randn(K, N, device="cuda", dtype=dt)
+        tritonmm.matmul(a, b)
+        base = lambda: torch.matmul(a, b)  # noqa: E731
+        same = lambda: torch.matmul(a, b)  # noqa: E731
+        for cycles in (200_000, 0, 1_000_000):
+            tb.HOST_SHIELD_CYCLES = cycles
+            variants = [("torch", same), ("tritonmm", lambda: tritonmm.matmul(a, b))]
+            if cycles == 200_000:
+                variants += [("torch+10us", delayed(base, 10e-6)), ("torch+40us", delayed(base, 40e-6))]
+            for name, fn in variants:
+                for rep in range(2 if cycles == 200_000 else 1):
+                    line = dict(M=M, N=N, K=K, dtype=str(dt)[6:], cycles=cycles, vs=name, rep=rep,
+                                **pair_samples(base, fn))
+                    r.append(line)
+                    print("aa", {k: v for k, v in line.items() if k not in ("rounds0", "rounds1")}, flush=True)
+        tb.HOST_SHIELD_CYCLES = 200_000
+
+
+def aa2():
+    """A/A test of the bench's pair timer after the change to call-by-call interleaving: torch.matmul
+    against itself (two lambdas) 3 times and against tritonmm (auto dispatch) twice, per shape."""
+    from tritonmm import bench as tb
+
+    r = res.setdefault("aa2", [])
+    shapes = ((16, 4096, 4096, torch.bfloat16), (1, 4096, 4096, torch.float16), (127, 257, 1023, torch.float16),
+              (1, 4096, 14336, torch.bfloat16), (2304, 1536, 4096, torch.bfloat16))
+    shapes = [s for s in shapes if f"{s[0]}x{s[1]}x{s[2]}" in os.environ.get("AA_SHAPES", "")] or shapes
+    shapes += [(512, 512, 512, torch.float16), (512, 512, 512, torch.bfloat16), (2304, 1536, 4096, torch.float16)] \
+        if os.environ.get("AA_SMALL") else []
+    for (M, N, K, dt) in shapes:
+        a = torch.randn(M, K, device="cuda", dtype=dt)
+        b = torch.randn(K, N, device="cuda", dtype=dt)
+        tritonmm.matmul(a, b)
+        line = dict(M=M, N=N, K=K, dtype=str(dt)[6:], auto=tritonmm.explain(a, b).backend)
+        for name, fn, reps in (("torch", lambda: torch.matmul(a, b), 3), ("tritonmm", lambda: tritonmm.matmul(a, b), 2)):
+            line[name] = []
+            for _ in range(reps):
+                t0, t1 = tb._bench_pair(lambda: torch.matmul(a, b), fn, rep=60)
+                line[name].append([round(t0, 2), round(t1, 2), round(t0 / t1, 4)])
+        r.append(line)
+        print("aa2", line, flush=True)
+
+
+def splitk_sweep():
+    """Decode shapes (M = 1, 16): split-K configs with the in-kernel last-arriver reduction against the
+    two-kernel reduction, each config timed with the bench timer; the best of each against torch.matmul
+    in the bench's alternating pair. Layouts nn (weight (K, N)) and nt (nn.Linear weight (N, K))."""
+    from tritonmm import bench as tb
+
+    r = res.setdefault("splitk_sweep", [])
+    cfgs = []
+    for bn, bk, sk in itertools.product((32, 64, 128), (128, 256), (2, 4, 8, 16)):
+        for st in (4,) if bk == 256 else (4, 6):
+            cfgs.append(dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_stages=st, num_warps=4, SPLIT_K=sk))
+    dt = torch.bfloat16
+    for layout in ("nn", "nt"):
+        for (N, K) in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+            for M in ((1, 16) if layout == "nn" else (16,)):
+                a = torch.randn(M, K, device="cuda", dtype=dt)
+                b = torch.randn(K, N, device="cuda", dtype=dt) if layout == "nn" else \
+                    torch.randn(N, K, device="cuda", dtype=dt).T
+                ref = torch.matmul(a.double(), b.double())
+                best = {}
+                for mode in ("last", "kernel"):
+                    km.SPLITK_REDUCE = mode
+                    for cfg in cfgs:
+                        c = torch.full((M, N), float("nan"), device="cuda", dtype=dt)
+                        launch = km.pointer_launcher(M, N, K, 1, 1, (0, 0, *a.stride()), (0, 0, *b.stride()),
+                                                     (0, 0, N, 1), dt, a.device, None, "none", cfg, split_k=True)
+                        try:
+                            launch(a, b, c, None)
+                            torch.cuda.synchronize()
+                            err = (c.double() - ref).abs().max().item()
+                            t = tb._bench_us(lambda: launch(a, b, c, None), rep=8)
+                        except Exception as e:  # noqa: BLE001
+                            continue
+                        if not err <= 0.02 * ref.abs().max().item():
+                            print("splitk_sweep BAD", layout, M, N, K, mode, cfg, err, flush=True)
+                            continue
+                        if t < best.get(mode, (1e9,))[0]:
+                            best[mode] = (t, cfg, launch, c)
+                km.SPLITK_REDUCE = "last"
+                line = dict(layout=layout, M=M, N=N, K=K)
+                for mode, (t, cfg, launch, c) in best.items():
+                    t_torch, t_k = tb._bench_pair(lambda: torch.matmul(a, b), lambda: launch(a, b, c, None), rep=60)
+                    line[mode] = dict(cfg=cfg, sweep_us=round(t, 2), torch_us=round(t_torch, 2), us=round(t_k, 2),
+                                      ratio=round(t_torch / t_k, 4))
+                r.append(line)
+                print("splitk_sweep", line, flush=True)
+
+
 for step in sys.argv[1:]:
     t = time.time()
     try:

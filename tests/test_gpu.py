@@ -197,3 +197,38 @@ def test_splitk_partials_past_2_31():
         assert (out[:, cols].double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
     del out
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 8, 16])
+def test_splitk_reduce_last_equals_reduction_kernel(split_k, monkeypatch):
+    """The in-kernel last-arriver reduction gives bitwise the two-kernel reduction's result (same
+    summation order) on every one of 30 back-to-back launches, with bias and an activation, in two
+    streams at once (each stream's counters are its own); the counters end at zero."""
+    from tritonmm import workspace
+
+    M, N, K = 13, 1000, 4000
+    config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_stages": 4, "num_warps": 4,
+              "SPLIT_K": split_k}
+    a, b = randn(M, K, dtype=BF16, device="cuda"), randn(K, N, dtype=BF16, device="cuda")
+    bias = randn(2 * N, dtype=BF16, device="cuda")[::2]
+    monkeypatch.setattr(km, "SPLITK_REDUCE", "kernel")
+    want = _launch("splitk", a, b, config, bias, "gelu")
+    assert_matches_reference(want, a, b, ref_fn=lambda a_, b_: F.gelu(a_ @ b_ + bias.double()),
+                             torch_fn=lambda a_, b_: F.gelu(a_ @ b_ + bias))
+    monkeypatch.setattr(km, "SPLITK_REDUCE", "last")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:  # NaN-poison each stream's workspace: a split reducing too early reads NaN
+        with torch.cuda.stream(s):
+            workspace.buffers(a.device, [((split_k * M * N,), torch.float32)])[0].fill_(float("nan"))
+    torch.cuda.synchronize()
+    outs = {i: [] for i in range(2)}
+    for _ in range(30):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                outs[i].append(_launch("splitk", a, b, config, bias, "gelu"))
+    torch.cuda.synchronize()
+    for i in range(2):
+        for out in outs[i]:
+            assert torch.equal(out, want)
+    for t in workspace._local.counters.values():
+        assert int(t.abs().sum()) == 0

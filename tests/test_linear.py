@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
+from tritonmm.kernels import matmul as km
 from tritonmm.testing import assert_matches_reference, randn
 
 pytestmark = pytest.mark.interpreter
@@ -166,15 +167,31 @@ def test_mixed_dtypes_outside_autocast_raise_like_f_linear():
         tritonmm.linear(x, w)
 
 
+@pytest.mark.parametrize("reduce", ["last", "kernel"])
 @pytest.mark.parametrize("split", [2, 4])
-def test_splitk_reduction_applies_epilogue_once(split):
-    """The split-K reduction kernel adds every K slice's partial exactly once, then a strided bias and
-    the activation, rounding once (K = 200 leaves a short last slice)."""
+def test_splitk_reduction_applies_epilogue_once(split, reduce, monkeypatch):
+    """Both split-K reductions (in the GEMM kernel by each tile's last split, or a second kernel) add
+    every K slice's partial exactly once, then a strided bias and the activation, rounding once
+    (K = 200 leaves a short last slice); the arrival counters are back at zero afterwards."""
+    from tritonmm import engine, workspace
+
+    monkeypatch.setattr(km, "SPLITK_REDUCE", reduce)
+    engine.clear_cache()  # launchers read SPLITK_REDUCE when built
+    workspace.release()
+    # NaN-poison the workspace the partials will live in: a split that reduced before the others
+    # had stored would read NaN, not the same values left there by an earlier test
+    workspace.buffers(torch.device("cpu"), [((1 << 16,), torch.float32)])[0].fill_(float("nan"))
     cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_stages": 1, "num_warps": 4,
            "SPLIT_K": split}
     x, w, b = randn(19, 200), randn(45, 200), randn(90)[::2]
     with tritonmm.force_backend("triton", "splitk", cfg):
         assert tritonmm.explain(x, w.t()).kernel == "splitk"
         out = tritonmm.linear(x, w, b, "gelu")
+        again = tritonmm.linear(x, w, b, "gelu")
     ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(again, out)
+    counters = getattr(workspace._local, "counters", {})
+    assert (len(counters) == 1) == (reduce == "last")
+    assert all(int(t.abs().sum()) == 0 for t in counters.values())
+    engine.clear_cache()

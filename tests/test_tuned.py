@@ -8,7 +8,7 @@ import torch
 from tritonmm import tuned
 from tritonmm.shapes import plan
 from tritonmm.testing import randn
-from tritonmm.tune import choose
+from tritonmm.tune import choose, merge_measurements
 
 A = {"BLOCK_M": 16, "BLOCK_N": 64}
 B = {"BLOCK_M": 32, "BLOCK_N": 64}
@@ -45,6 +45,18 @@ def test_choose_decides_on_the_paired_timing():
     other = shape(1, 10.0, [(A, 5.0), (B, 7.0)])
     other["paired"] = {"kernel": "pointer", "config": B, "torch_us": 1.0, "us": 9.0}
     assert choose([other])["backend"] == "triton" and choose([other])["triton_us"] == 5.0
+
+
+def test_merge_keeps_one_measurement_per_problem():
+    def m(M, us, layout="nn", dtype="bfloat16"):
+        return {"dtype": dtype, "M": M, "N": 64, "K": 32, "layout": layout, "torch_us": us}
+
+    old = [m(1, 1.0), m(2, 2.0), m(2, 2.5, layout="nt"), m(3, 3.0, dtype="float16")]
+    new = [m(2, 9.0), m(4, 4.0)]
+    got = merge_measurements(old, new)
+    assert [(r["M"], r["layout"], r["dtype"], r["torch_us"]) for r in got] == [
+        (1, "nn", "bfloat16", 1.0), (2, "nt", "bfloat16", 2.5), (3, "nn", "float16", 3.0),
+        (2, "nn", "bfloat16", 9.0), (4, "nn", "bfloat16", 4.0)]
 
 
 def test_choose_nothing_ran():

@@ -16,8 +16,8 @@ the result matches a float64 reference as closely as torch.matmul's does. Times 
 time measured as ``triton.testing.do_bench`` does (CUDA events, L2 flushed before each call), with
 a GPU spin after each flush so host launch time is never counted (``_event_times_ms``), on N(0, 1)
 data, never zeros;
-torch.matmul and tritonmm are timed in alternation (ten turns each, samples pooled), so drift of a
-shared GPU's clocks hits both alike.
+torch.matmul and tritonmm are timed in alternation call by call (``_pair_times_ms``), so drift of a
+shared GPU's clocks hits both alike and each follows the same work.
 
 Without a GPU it runs small problems through Triton's interpreter on every kernel path, checks
 them against float64 references and says that timings need a GPU.
@@ -152,13 +152,50 @@ def _bench_us(fn, rep: int) -> float:
     return float(torch.tensor(_event_times_ms(fn, rep, warmup=25)).median()) * 1e3
 
 
+def _pair_times_ms(fns, rep: float, warmup: int = 3) -> list[list[float]]:
+    """Per-call GPU times (ms) of several contenders interleaved call by call: each sample flushes L2
+    and spins the GPU (as :func:`_event_times_ms`) before every contender's call, in turn, the order
+    reversed on every other sample, so each contender's calls follow the same work. ``rep``: ms of
+    samples per contender. Timing whole batches of one contender after the other instead read the
+    same torch.matmul call 5% slower in the first batch of each turn than in the second on 13-40 µs
+    GEMMs (an A/A test, ``benchmarks/probe.py aa``; cause unknown), enough to decide a row."""
+    from triton.runtime import driver
+
+    cache = driver.active.get_empty_cache_for_benchmark()
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    k = len(fns)
+
+    def timed(n: int) -> list[list[float]]:
+        ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
+              for _ in range(n)]
+        for i, row in enumerate(ev):
+            for j in (range(k) if i % 2 == 0 else reversed(range(k))):
+                driver.active.clear_cache(cache)
+                torch.cuda._sleep(HOST_SHIELD_CYCLES)
+                row[j][0].record()
+                fns[j]()
+                row[j][1].record()
+        torch.cuda.synchronize()
+        return [[row[j][0].elapsed_time(row[j][1]) for row in ev] for j in range(k)]
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first = timed(4)  # also sizes the run: wall time per sample of every contender, flushes and spins included
+    per_sample_ms = (time.perf_counter() - t0) * 1e3 / 4 / k
+    rest = timed(max(2, int(rep / per_sample_ms)))
+    return [f + r for f, r in zip(first, rest)]
+
+
 def _bench_pair(f_torch, f_tri, rep: int, rounds: int = 10) -> tuple[float, float]:
-    """Median µs of two contenders timed in alternation (``rounds`` turns each, ``rep`` ms in all per
-    contender), so clock and neighbour drift on a shared GPU hits both alike."""
+    """Median µs of two contenders timed call by call in alternation (:func:`_pair_times_ms`), ``rep``
+    ms in all per contender over ``rounds`` synchronized batches, so clock and neighbour drift on a
+    shared GPU hits both alike."""
     times = ([], [])
     for _ in range(rounds):
-        for i, fn in enumerate((f_torch, f_tri)):
-            times[i].extend(_event_times_ms(fn, max(rep / rounds, 3)))
+        for t, new in zip(times, _pair_times_ms((f_torch, f_tri), max(rep / rounds, 3))):
+            t.extend(new)
     return tuple(float(torch.tensor(t).median()) * 1e3 for t in times)
 
 

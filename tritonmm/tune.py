@@ -142,6 +142,16 @@ def measure_shape(shape: dict, dtype, layout: str, args, gen) -> dict:
     return res
 
 
+def merge_measurements(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` measurements except those of a (dtype, M, N, K, layout) that ``new`` measures again,
+    then ``new``: a table re-tuned with ``--merge`` keeps one record per problem."""
+    def ident(r):
+        return r["dtype"], r["M"], r["N"], r["K"], r.get("layout", "nn")
+
+    again = {ident(r) for r in new}
+    return [r for r in old if ident(r) not in again] + new
+
+
 def choose(group: list[dict]) -> dict:
     """One entry for shapes sharing a key: the (kernel, config) with the least total normalized time."""
     def ident(c):
@@ -211,7 +221,7 @@ def main(argv=None) -> int:
         old = tuned.read_table(path)
         if old:
             entries = {**old["entries"], **entries}
-            measured = old.get("measurements", []) + measured
+            measured = merge_measurements(old.get("measurements", []), measured)
     table = {"format": tuned.FORMAT, "device": name, **sig, "torch": torch.__version__,
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "rep_ms": args.rep, "entries": entries, "measurements": measured}

@@ -58,11 +58,33 @@ def buffers(device: torch.device, specs) -> list[torch.Tensor]:
     return [raw[o:o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
 
 
+def counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` int32 counters, zero, for kernels that count arrivals and set them back to zero before
+    they finish (split-K's last-arriver reduction). Kept per (thread, device, stream) apart from
+    :func:`buffers`, so nothing else writes them; grown by allocating a larger zeroed tensor. During
+    CUDA graph capture a fresh zeroed tensor is returned (the zero fill is captured with it).
+
+    Returns:
+        Tensor: (n,) int32, zero whenever the stream reaches the caller's next kernel.
+    """
+    key = _stream_key(device)
+    if key is None:
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    cache = getattr(_local, "counters", None)
+    if cache is None:
+        cache = _local.counters = {}
+    t = cache.get(key)
+    if t is None or t.numel() < n:
+        t = cache[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return t
+
+
 def release() -> None:
-    """Free this thread's workspace buffers (every device and stream)."""
+    """Free this thread's workspace buffers and counters (every device and stream)."""
     getattr(_local, "buffers", {}).clear()
+    getattr(_local, "counters", {}).clear()
 
 
 def held_bytes() -> int:
-    """Bytes held by this thread's workspace buffers."""
-    return sum(t.numel() for t in getattr(_local, "buffers", {}).values())
+    """Bytes held by this thread's workspace buffers and counters."""
+    return sum(t.numel() * t.element_size() for d in ("buffers", "counters") for t in getattr(_local, d, {}).values())

@@ -5,7 +5,9 @@ Two kernels:
 * ``_matmul_kernel``: the tiled pointer-based GEMM of Triton's tutorial 03 (group-M
   program order for L2 reuse), reading any strides in place, masked for any M, N, K,
   with a two-level batch folded into grid axis 0 and an optional split-K over grid
-  axis 1 (fp32 partials summed by ``_splitk_reduce_kernel``, which applies the epilogue).
+  axis 1: fp32 partials in a workspace, summed in the same kernel by each tile's last split to
+  finish (counted with an atomic; ``REDUCE_LAST``), or by ``_splitk_reduce_kernel``; either applies
+  the epilogue after the sum.
 * ``_matmul_tma_kernel``: a persistent kernel (grid = number of SMs, tiles visited in
   group-M order) loading tiles through device-side TMA tensor descriptors
   (``tl.make_tensor_descriptor``), after Triton's tutorial 09. Hopper (sm_90) and newer;
@@ -90,6 +92,8 @@ def _matmul_kernel(
     b_ptr,  # (B0, B1, K, N)
     c_ptr,  # (B0, B1, M, N), or (SPLIT_K, M, N) float32 partials when SPLIT_K > 1
     bias_ptr,  # (N,) or a dummy when HAS_BIAS is False
+    out_ptr,  # REDUCE_LAST: the (M, N) contiguous output; else a dummy
+    lock_ptr,  # REDUCE_LAST: int32 arrival counters, one per tile, zero between launches; else a dummy
     M, N, K, B1,
     stride_ab0, stride_ab1, stride_am, stride_ak,
     stride_bb0, stride_bb1, stride_bk, stride_bn,
@@ -99,7 +103,7 @@ def _matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, REDUCE_LAST: tl.constexpr,
 ):
     pid = tl.program_id(axis=0)
     pid_s = tl.program_id(axis=1)
@@ -114,6 +118,7 @@ def _matmul_kernel(
     b_inner = (pid_b % B1).to(tl.int64)
     a_ptr += b_outer * stride_ab0 + b_inner * stride_ab1
     b_ptr += b_outer * stride_bb0 + b_inner * stride_bb1
+    p_ptr = c_ptr  # split-K: partial 0 (one GEMM, so no batch offset)
     c_ptr += b_outer * stride_cb0 + b_inner * stride_cb1 + pid_s.to(tl.int64) * stride_cs
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -165,6 +170,25 @@ def _matmul_kernel(
     c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(c_ptrs, _to_output(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+
+    if REDUCE_LAST:  # split-K without a second kernel: the tile's last split to finish reduces
+        # CTA barrier, then one thread's acq_rel atomic (the semaphore pattern of CUTLASS's serial
+        # split-K): every split's partial store is visible once SPLIT_K arrivals are counted
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            offs = offs_cm[:, None] * stride_cm + offs_cn[None, :]
+            p_ptrs = p_ptr + offs
+            acc = tl.load(p_ptrs, mask=c_mask, other=0.0, cache_modifier=".cg")
+            for _ in tl.static_range(1, SPLIT_K):  # partial order 0..SPLIT_K-1: deterministic
+                p_ptrs += stride_cs
+                acc += tl.load(p_ptrs, mask=c_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
+                acc += bias.to(tl.float32)[None, :]
+            acc = _activation(acc, ACTIVATION)
+            tl.store(out_ptr + offs, _to_output(acc, out_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+            tl.atomic_xchg(lock_ptr + pid, 0)  # ready for the next launch on this stream
 
 
 @triton.jit
@@ -319,6 +343,11 @@ class _DirectLaunch:
 
 _REDUCE_BLOCK = 1024  # elements of C per program of the split-K reduction
 
+SPLITK_REDUCE = "last"
+"""How split-K partials are reduced: "last" (in the GEMM kernel, by the last split of each tile to
+finish, counted with an atomic; one launch) or "kernel" (a second kernel, :func:`_splitk_reduce_kernel`).
+Both sum the partials in the same order, so results are bitwise equal."""
+
 _BIG = 256  # the largest block edge in any config; bounds index overshoot in the INT64 check
 
 
@@ -458,8 +487,9 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
         bias_stride (int, optional): the (N,) bias's stride; None: no bias.
         activation (str): one of :data:`tritonmm.activations.ACTIVATIONS`.
         config (dict, optional): explicit config; default: autotuned (GPU), the interpreter's, or the heuristic's.
-        split_k (bool): split K over ``SPLIT_K`` programs; their fp32 partials go to a workspace and one
-            reduction kernel sums them and applies the epilogue (needs B0 = B1 = 1).
+        split_k (bool): split K over ``SPLIT_K`` programs; their fp32 partials go to a workspace and
+            are summed, then the epilogue applied, by each tile's last split (:data:`SPLITK_REDUCE`
+            "last", one launch) or by a second kernel ("kernel"); needs B0 = B1 = 1.
     """
     kernel = "splitk" if split_k else "pointer"
     state = {"config": _fixed_config(kernel, config, M, N, K, dtype, device)}
@@ -470,12 +500,17 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
     layout = int(sa[3] != 1) | (int(sb[3] != 1) << 1)
     ints = (M, N, K, B1, *sa, *sb, *sc, M * N if split_k else 0, bias_stride or 0,
             _cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K), layout)
-    meta = dict(INT64=int64, HAS_BIAS=bias_stride is not None, ACTIVATION="none" if split_k else activation,
+    reduce_last = split_k and SPLITK_REDUCE == "last"
+    meta = dict(INT64=int64, HAS_BIAS=bias_stride is not None,
+                ACTIVATION=activation if reduce_last or not split_k else "none",
                 INPUT_PRECISION=_input_precision(dtype, device),
-                UPCAST=interpreting() and dtype == torch.bfloat16)
+                UPCAST=interpreting() and dtype == torch.bfloat16, REDUCE_LAST=reduce_last)
     if not split_k:
         meta["SPLIT_K"] = 1
     tiles = B0 * B1
+
+    def tile_count(cfgs) -> int:  # arrival counters needed: the most tiles of any config that may run
+        return max(triton.cdiv(M, x["BLOCK_M"]) * triton.cdiv(N, x["BLOCK_N"]) for x in cfgs)
 
     def grid(META):
         return (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]) * tiles, META.get("SPLIT_K", 1))
@@ -484,11 +519,13 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
         cfg = state["config"]
         if cfg is None and capturing(c.device):
             cfg = state["config"] = _capture_config(kernel, M, N, K, dtype, device)
-        target = c
+        target = locks = c
         if split_k:  # fp32 partials live in the reused workspace (no per-call allocation)
             splits = cfg["SPLIT_K"] if cfg else max(x["SPLIT_K"] for x in _cfg.candidates("splitk"))
             (target,) = workspace.buffers(c.device, [((splits, M, N), torch.float32)])
-        args = (a, b, target, bias if bias is not None else target, *ints)
+            if reduce_last:
+                locks = workspace.counters(c.device, tile_count([cfg] if cfg else _cfg.candidates("splitk")))
+        args = (a, b, target, bias if bias is not None else target, c, locks, *ints)
         if cfg is None:
             cfg = state["config"] = _autotune(kernel, grid, args, meta)
         else:
@@ -497,7 +534,7 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
                 direct = state["direct"] = _DirectLaunch(_matmul_kernel, grid({**cfg, **meta}),
                                                          {**meta, **cfg, "EVEN_K": K % cfg["BLOCK_K"] == 0})
             direct(args)
-        if split_k:  # one fused pass: sum of the partials, bias, activation, rounding to C's dtype
+        if split_k and not reduce_last:  # one fused pass: sum of the partials, bias, activation, rounding
             reduce = state.get("reduce")
             if reduce is None:  # built after the first launch, when the config (and its SPLIT_K) is fixed
                 reduce = state["reduce"] = _DirectLaunch(
