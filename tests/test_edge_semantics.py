@@ -180,7 +180,9 @@ def test_non_tensor_bias_is_a_type_error(bias):
     ("pointer", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 0, "num_stages": 1, "num_warps": 4}),
     ("pointer", {"BLOCK_M": 16.0, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_stages": 1, "num_warps": 4}),
     ("tma", {"BLOCK_M": 64}),
-], ids=["splitk-missing-SPLIT_K", "GROUP_M-0", "float", "tma-missing"])
+    ("splitk", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_stages": 1, "num_warps": 4,
+                "SPLIT_K": 1}),
+], ids=["splitk-missing-SPLIT_K", "GROUP_M-0", "float", "tma-missing", "splitk-one-split"])
 def test_forced_configs_are_validated(kernel, config):
     with pytest.raises(ValueError, match="config"):
         with tritonmm.force_backend("triton", kernel, config=config):

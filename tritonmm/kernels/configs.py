@@ -58,7 +58,8 @@ def candidates(kernel: str) -> list[dict[str, int]]:
 
 def validate(kernel: str, config) -> None:
     """Check that ``config`` is a config of ``kernel``: the fields of its candidates, each an int
-    (>= 1; ``EPILOGUE_SUBTILE`` may be 0). Whether Triton can compile it is another matter.
+    (>= 1; ``EPILOGUE_SUBTILE`` may be 0; ``SPLIT_K`` >= 2, one split being the pointer kernel).
+    Whether Triton can compile it is another matter.
 
     Raises:
         ValueError: unknown kernel, missing or extra fields, or a value of the wrong type or range.
@@ -70,7 +71,7 @@ def validate(kernel: str, config) -> None:
         got = sorted(config) if isinstance(config, dict) else type(config).__name__
         raise ValueError(f"a {kernel} config needs exactly the fields {sorted(fields)}, got {got}")
     for k, v in config.items():
-        low = 0 if k == "EPILOGUE_SUBTILE" else 1
+        low = {"EPILOGUE_SUBTILE": 0, "SPLIT_K": 2}.get(k, 1)  # one split is the pointer kernel
         if type(v) is not int or v < low:
             raise ValueError(f"{kernel} config field {k} must be an int >= {low}, got {v!r}")
 

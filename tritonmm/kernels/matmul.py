@@ -495,6 +495,8 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
     state = {"config": _fixed_config(kernel, config, M, N, K, dtype, device)}
     if split_k:
         assert B0 == 1 and B1 == 1, "split-K takes one GEMM"
+        if config is not None and config.get("SPLIT_K", 1) < 2:  # the epilogue would run twice
+            raise ValueError(f"a split-K config needs SPLIT_K >= 2 (one split is the pointer kernel), got {config}")
         sc = (0, 0, N, 1)
     int64 = needs_int64((M, K, sa[2], sa[3]), (K, N, sb[2], sb[3]), (M, N, sc[2], sc[3]))
     layout = int(sa[3] != 1) | (int(sb[3] != 1) << 1)
@@ -524,7 +526,11 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
             splits = cfg["SPLIT_K"] if cfg else max(x["SPLIT_K"] for x in _cfg.candidates("splitk"))
             (target,) = workspace.buffers(c.device, [((splits, M, N), torch.float32)])
             if reduce_last:
-                locks = workspace.counters(c.device, tile_count([cfg] if cfg else _cfg.candidates("splitk")))
+                if cfg is None:
+                    n_locks = tile_count(_cfg.candidates("splitk"))
+                else:  # fixed from here on: counted once
+                    n_locks = state.get("n_locks") or state.setdefault("n_locks", tile_count([cfg]))
+                locks = workspace.counters(c.device, n_locks)
         args = (a, b, target, bias if bias is not None else target, c, locks, *ints)
         if cfg is None:
             cfg = state["config"] = _autotune(kernel, grid, args, meta)
