@@ -36,6 +36,16 @@ def host_us(fn, n=3000):
     return (time.perf_counter() - t) / n * 1e6
 
 
+def delayed(fn, seconds):
+    """``fn`` behind a busy-wait of ``seconds`` of host time."""
+    def run():
+        t = time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            pass
+        return fn()
+    return run
+
+
 def overhead():
     r = res.setdefault("overhead", {})
     for (M, N, K) in ((16, 64, 64), (1, 4096, 4096), (1024, 1024, 1024)):
@@ -304,14 +314,6 @@ def pairs():
 
     from tritonmm.bench import _bench_pair
 
-    def delayed(fn, seconds):
-        def run():
-            t = time.perf_counter()
-            while time.perf_counter() - t < seconds:
-                pass
-            return fn()
-        return run
-
     def _do_bench_pair(f0, f1, rounds=10, rep=6):
         times = ([], [])
         for _ in range(rounds):
@@ -350,14 +352,6 @@ def aa():
     alternating pair; the spin after each flush at 0, 200k (bench default) and 1M cycles; raw
     per-round medians and quantiles saved, to tell noise from bias."""
     from tritonmm import bench as tb
-
-    def delayed(fn, seconds):
-        def run():
-            t = time.perf_counter()
-            while time.perf_counter() - t < seconds:
-                pass
-            return fn()
-        return run
 
     def pair_samples(f0, f1, rep=60, rounds=10):
         times, rounds_med = ([], []), ([], [])

@@ -123,28 +123,7 @@ def _event_times_ms(fn, rep: float, warmup: int = 3) -> list[float]:
     measured on the H200, 40 µs of host time added to torch.matmul on a 10 µs 1000³ GEMM read as a 0.3x
     ratio under do_bench (``benchmarks/probe.py pairs``). With the spin both contenders' host paths
     are hidden; per-call host cost is measured separately (README, "Overhead")."""
-    from triton.runtime import driver
-
-    cache = driver.active.get_empty_cache_for_benchmark()
-    for _ in range(warmup):
-        fn()
-
-    def timed(n: int) -> list[float]:
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-        for start, end in ev:
-            driver.active.clear_cache(cache)
-            torch.cuda._sleep(HOST_SHIELD_CYCLES)
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in ev]
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    first = timed(5)  # also sizes the run: wall time per sample, flush and spin included
-    per_sample_ms = (time.perf_counter() - t0) * 1e3 / 5
-    return first + timed(max(1, int(rep / per_sample_ms)))
+    return _pair_times_ms((fn,), rep, warmup)[0]
 
 
 def _bench_us(fn, rep: int) -> float:
@@ -153,8 +132,8 @@ def _bench_us(fn, rep: int) -> float:
 
 
 def _pair_times_ms(fns, rep: float, warmup: int = 3) -> list[list[float]]:
-    """Per-call GPU times (ms) of several contenders interleaved call by call: each sample flushes L2
-    and spins the GPU (as :func:`_event_times_ms`) before every contender's call, in turn, the order
+    """Per-call GPU times (ms) of one or more contenders interleaved call by call: each sample flushes L2
+    and spins the GPU (see :func:`_event_times_ms`) before every contender's call, in turn, the order
     reversed on every other sample, so each contender's calls follow the same work. ``rep``: ms of
     samples per contender. Timing whole batches of one contender after the other instead read the
     same torch.matmul call 5% slower in the first batch of each turn than in the second on 13-40 µs

@@ -511,8 +511,8 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
         meta["SPLIT_K"] = 1
     tiles = B0 * B1
 
-    def tile_count(cfgs) -> int:  # arrival counters needed: the most tiles of any config that may run
-        return max(triton.cdiv(M, x["BLOCK_M"]) * triton.cdiv(N, x["BLOCK_N"]) for x in cfgs)
+    def tile_count(x) -> int:  # tiles of config x: one arrival counter each
+        return triton.cdiv(M, x["BLOCK_M"]) * triton.cdiv(N, x["BLOCK_N"])
 
     def grid(META):
         return (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]) * tiles, META.get("SPLIT_K", 1))
@@ -526,10 +526,12 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
             splits = cfg["SPLIT_K"] if cfg else max(x["SPLIT_K"] for x in _cfg.candidates("splitk"))
             (target,) = workspace.buffers(c.device, [((splits, M, N), torch.float32)])
             if reduce_last:
-                if cfg is None:
-                    n_locks = tile_count(_cfg.candidates("splitk"))
-                else:  # fixed from here on: counted once
-                    n_locks = state.get("n_locks") or state.setdefault("n_locks", tile_count([cfg]))
+                if cfg is None:  # autotuning: any candidate may run
+                    n_locks = max(map(tile_count, _cfg.candidates("splitk")))
+                else:  # the config is fixed from here on: counted once
+                    n_locks = state.get("n_locks")
+                    if n_locks is None:
+                        n_locks = state["n_locks"] = tile_count(cfg)
                 locks = workspace.counters(c.device, n_locks)
         args = (a, b, target, bias if bias is not None else target, c, locks, *ints)
         if cfg is None:
