@@ -2,6 +2,8 @@
 # Steps run on the lent H200 (device tool): bash benchmarks/h200_run.sh STEP... ; results under $OUT.
 #   smoke   one call per kernel path, errors printed
 #   tune    python -m tritonmm.tune --merge (bf16 suite) into configs/tuned/<gpu table>.json, copied to $OUT
+#   tune_m128 python -m tritonmm.tune --merge on the llama8b M = 128 rows (nn and nt, bf16; where split-K TMA
+#           configs apply) into the table, copied to $OUT
 #   tests   pytest -m gpu
 #   bench   python -m tritonmm.bench (every dtype, as in the README) -> $OUT/h200.json, $OUT/h200.png
 #   inductor python -m tritonmm.bench --compare inductor on BENCH_TAGS (default odd square) -> $OUT/bench_inductor.*
@@ -61,6 +63,13 @@ PY
     tune_nt) T 150 python3 -m tritonmm.tune --dtype bfloat16 --tags llama8b --layout nt --time-limit "${TUNE_NT_LIMIT:-110}" --merge \
                --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 | tee "$OUT/tune_nt.log" | tail -3
              cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/tuned_merged.json" ;;
+    tune_m128) python3 -c "
+import json; d = json.load(open('configs/shapes.json'))
+d['shapes'] = [s for s in d['shapes'] if s['tag'].startswith('llama8b') and s['M'] == 128]
+json.dump(d, open('/tmp/m128.json', 'w'))"
+          T "${TUNE_TIMEOUT:-200}" python3 -m tritonmm.tune --shapes /tmp/m128.json --dtype bfloat16 --layout nn nt \
+            --merge --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 | tee "$OUT/tune_m128.log"
+          cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/" ;;
     fuzz) T "${FUZZ_TIMEOUT:-240}" python3 -m pytest -m gpu -q --maxfail=5 --durations=10 -p no:cacheprovider \
             tests/test_fuzz.py 2>&1 | tee "$OUT/gpu_fuzz.log" | tail -30 ;;
     tests) T "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \

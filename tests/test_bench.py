@@ -69,8 +69,8 @@ def test_cpu_check_runs_every_kernel_path(capsys):
         pytest.skip("the CPU check runs without a GPU")
     assert bench.cpu_check() == 0
     out = capsys.readouterr().out
-    assert out.count(" ok") == 24 and "FAIL" not in out  # 3 dtypes x 4 paths x (matmul, linear)
-    assert out.count("padded") == 6
+    assert out.count(" ok") == 30 and "FAIL" not in out  # 3 dtypes x 5 paths x (matmul, linear)
+    assert out.count("padded") == 6 and out.count("tma-splitk") == 6
 
 
 @pytest.mark.gpu

@@ -54,6 +54,106 @@ def test_wave_quantization_ranking():
     assert cfg.wave_efficiency(132 * 128, 128, {"BLOCK_M": 128, "BLOCK_N": 128}, 132) == 1.0
 
 
+def test_tma_split_k_field_is_optional_and_checked():
+    """A tma config may leave SPLIT_K out (tables from before split-K): it means one split."""
+    old = {k: v for k, v in cfg.candidates("tma")[0].items() if k != "SPLIT_K"}
+    cfg.validate("tma", old)
+    assert cfg.complete("tma", old)["SPLIT_K"] == 1
+    cfg.validate("tma", {**old, "SPLIT_K": 4})
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="SPLIT_K"):
+            cfg.validate("tma", {**old, "SPLIT_K": bad})
+    with pytest.raises(ValueError, match="fields"):  # only SPLIT_K is optional
+        cfg.validate("tma", {k: v for k, v in old.items() if k != "EPILOGUE_SUBTILE"})
+    with pytest.raises(ValueError, match="SPLIT_K"):  # the pointer split-K kernel still needs >= 2 splits
+        cfg.validate("splitk", {**cfg.candidates("splitk")[0], "SPLIT_K": 1})
+
+
+@pytest.mark.parametrize("M,N,K,split", [(128, 4096, 4096, True), (64, 6144, 4096, True), (128, 128256, 4096, False),
+                                         (2048, 4096, 4096, False), (300, 512, 4096, False), (128, 4096, 64, False),
+                                         (16, 4096, 14336, False)])
+def test_prune_keeps_tma_split_k_only_for_few_tiles(M, N, K, split):
+    """Split-K TMA configs are kept for M <= 256 with fewer unsplit tiles than SMs (a weight streamed
+    by few tiles) and K of at least one BLOCK_K per split; elsewhere they would only add partial-sum
+    traffic. Unsplit configs stay. (M = 16: every TMA tile is 4x too tall; the pointer split-K kernel
+    serves decode.)"""
+    rows = cfg.candidates("tma")
+    kept = cfg.prune(rows, M=M, N=N, K=K, itemsize=2, out_itemsize=2, kernel="tma", smem_limit=232448,
+                     num_sms=132, keep=len(rows))
+    splits = [r for r in kept if r["SPLIT_K"] > 1]
+    assert bool(splits) == split
+    for r in splits:
+        assert -(-M // r["BLOCK_M"]) * -(-N // r["BLOCK_N"]) < 132 and K >= r["SPLIT_K"] * r["BLOCK_K"]
+    assert any(r["SPLIT_K"] == 1 for r in kept)
+
+
+def _busy_slices(K, cfg, kernel):
+    """Slices with work, by walking the kernels' own K loops (tritonmm/kernels/matmul.py)."""
+    s, bk = cfg["SPLIT_K"], cfg["BLOCK_K"]
+    if kernel == "tma":  # K steps split*per .. min(split*per + per, k_tiles)
+        k_tiles = -(-K // bk)
+        per = -(-k_tiles // s)
+        return sum(len(range(i * per, min(i * per + per, k_tiles))) > 0 for i in range(s))
+    per = -(-(-(-K // s)) // bk) * bk  # pointer kernel: k_per_split elements, k_len = min(K - start, per)
+    return sum(min(K - i * per, per) > 0 for i in range(s))
+
+
+@pytest.mark.parametrize("kernel", ["splitk", "tma"])
+def test_split_configs_keep_every_slice_busy(kernel):
+    """Pruning drops a split-K config when one of its K slices would be empty (it would still store and
+    sum a zero partial); the rule agrees with walking the kernels' K loops."""
+    rows = [r for r in cfg.candidates(kernel) if r["SPLIT_K"] > 1]
+    for K in (64, 100, 200, 256, 320, 1000, 1023, 4096, 14336):
+        for r in rows:
+            assert cfg.splits_all_busy(K, r, kernel) == (_busy_slices(K, r, kernel) == r["SPLIT_K"]), (K, r)
+        if not any(cfg.splits_all_busy(K, r, kernel) for r in rows):
+            continue  # K too short for any split: pruning falls back to the smallest config
+        kept = cfg.prune(cfg.candidates(kernel), M=128, N=1024, K=K, itemsize=2, out_itemsize=2, kernel=kernel,
+                         smem_limit=232448, num_sms=132, keep=100)
+        assert all(_busy_slices(K, r, kernel) == r["SPLIT_K"] for r in kept if r["SPLIT_K"] > 1)
+    assert not cfg.splits_all_busy(320, {"BLOCK_K": 64, "SPLIT_K": 4}, "tma")  # slices of 2, 2, 1 and 0 steps
+
+
+def test_split_pool_key_separates_shapes_of_one_bucket():
+    """K = 130 and 256 share a bucket, but 4 splits of BLOCK_K 64 only fit 256 (130 is 3 steps): the
+    autotune key holds the pruned pool's split configs, so a config tuned for one is never run with the
+    other's workspace."""
+    from tritonmm.kernels import matmul as km
+
+    def pool(K):
+        return cfg.prune(cfg.candidates("tma"), M=128, N=4096, K=K, itemsize=2, out_itemsize=2, kernel="tma",
+                         smem_limit=232448, num_sms=132)
+
+    assert cfg.bucket(130) == cfg.bucket(256)
+    assert max(r["SPLIT_K"] for r in pool(256)) > max(r["SPLIT_K"] for r in pool(130))
+    assert cfg.split_pool_key("tma", pool(130)) != cfg.split_pool_key("tma", pool(256))
+    assert cfg.split_pool_key("tma", pool(4096)) != 0 and cfg.split_pool_key("tma", cfg.candidates("pointer")) == 0
+    assert "SPLIT_POOL" in km.autotuned("tma").keys
+
+
+def test_old_candidates_file_without_tma_split_k(tmp_path, monkeypatch):
+    """A candidates.json from before split-K (7-field tma rows) still works: its rows mean one split."""
+    data = json.loads((REPO / "configs" / "candidates.json").read_text())
+    tma = data["tma"]
+    i = tma["fields"].index("SPLIT_K")
+    tma["fields"].pop(i)
+    tma["configs"] = [row[:i] + row[i + 1:] for row in tma["configs"] if row[i] == 1]
+    del data["interpreter"]["tma"]["SPLIT_K"]
+    (tmp_path / "candidates.json").write_text(json.dumps(data))
+    monkeypatch.setenv("TRITONMM_CONFIG_DIR", str(tmp_path))
+    cfg._candidates_file.cache_clear()
+    try:
+        rows = cfg.candidates("tma")
+        assert rows and all(r["SPLIT_K"] == 1 for r in rows)
+        assert cfg.interpreter_config("tma")["SPLIT_K"] == 1
+        import torch
+
+        pick = cfg.heuristic("tma", 128, 4096, 4096, 2, 2, torch.device("cpu"))
+        assert pick["SPLIT_K"] == 1 and pick in rows
+    finally:
+        cfg._candidates_file.cache_clear()
+
+
 def test_config_dir_env_override(tmp_path, monkeypatch):
     (tmp_path / "candidates.json").write_text((REPO / "configs" / "candidates.json").read_text())
     monkeypatch.setenv("TRITONMM_CONFIG_DIR", str(tmp_path))

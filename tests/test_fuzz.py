@@ -1,7 +1,8 @@
 """Hypothesis shape-fuzzing of tritonmm.matmul against a float64 reference (and torch.matmul's own error).
 
-CPU (interpreter): dims 0..~300, every kernel and the padded path. GPU (`-m gpu`): dims up to
-4096, every kernel, the padded path and the automatic dispatch, float16 / bfloat16 / float32.
+CPU (interpreter): dims 0..~300, every kernel (the TMA kernel also with a forced split-K config)
+and the padded path. GPU (`-m gpu`): dims up to 4096, every kernel, the padded path and the
+automatic dispatch, float16 / bfloat16 / float32.
 """
 
 import pytest
@@ -67,10 +68,19 @@ def build(kind, M, N, K, la, lb, batch_a, batch_b, dtype, device):
     return make_operand(M, K, la, dtype, device, batch_a), make_operand(K, N, lb, dtype, device, batch_b)
 
 
+# "tma-splitk": the TMA kernel forced to a split-K config (three splits: uneven K slices, some empty)
+TMA_SPLITK = {"cpu": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "num_stages": 1, "num_warps": 4,
+                      "EPILOGUE_SUBTILE": 0, "SPLIT_K": 3},
+              "cuda": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_stages": 3, "num_warps": 4,
+                       "EPILOGUE_SUBTILE": 0, "SPLIT_K": 3}}
+
+
 def run_case(case, dtype, device, backend, kernel):
     a, b = build(*case, dtype, device)
     a0, b0 = a.clone(), b.clone()
-    with tritonmm.force_backend(backend, kernel):
+    config = TMA_SPLITK[device.type] if kernel == "tma-splitk" else None
+    kernel = "tma" if kernel == "tma-splitk" else kernel
+    with tritonmm.force_backend(backend, kernel, config):
         decision = tritonmm.explain(a, b)
         tri = tritonmm.matmul(a, b)
     note(f"case={case} {dtype} -> {decision}")
@@ -92,7 +102,7 @@ def run_case(case, dtype, device, backend, kernel):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("kernel", ["tma", "pointer", "splitk", "padded"])
+@pytest.mark.parametrize("kernel", ["tma", "tma-splitk", "pointer", "splitk", "padded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
 @given(case=problems(max_dim=160, max_batch=3, max_k=320))
 def test_fuzz_interpreter(case, dtype, kernel):
@@ -102,7 +112,8 @@ def test_fuzz_interpreter(case, dtype, kernel):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,kernel", [("triton", "tma"), ("triton", "pointer"), ("triton", "splitk"),
+@pytest.mark.parametrize("backend,kernel", [("triton", "tma"), ("triton", "tma-splitk"), ("triton", "pointer"),
+                                            ("triton", "splitk"),
                                             ("torch", "padded"), ("auto", "auto")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d)[6:])
 @given(case=problems(max_dim=4096, max_batch=4))

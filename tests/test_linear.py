@@ -167,6 +167,35 @@ def test_mixed_dtypes_outside_autocast_raise_like_f_linear():
         tritonmm.linear(x, w)
 
 
+@pytest.mark.parametrize("split", [2, 3, 5])
+@pytest.mark.parametrize("n,b_trans", [(45, True), (48, False)])
+def test_tma_splitk_applies_epilogue_once(split, n, b_trans):
+    """The persistent TMA kernel with SPLIT_K > 1: each (tile, split) work unit stores an fp32 partial
+    and the tile's last split sums them, then adds a strided bias and the activation, rounding once.
+    K = 40 is 3 BLOCK_K steps: with 5 splits two slices are empty. N = 45 stores C through pointers
+    (rows not 16-byte aligned), N = 48 through TMA; counters end at zero; a repeat is bitwise equal."""
+    from tritonmm import engine, workspace
+
+    engine.clear_cache()
+    workspace.release()
+    workspace.buffers(torch.device("cpu"), [((1 << 16,), torch.float32)], slot="splitk")[0].fill_(float("nan"))
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_stages": 1, "num_warps": 4,
+           "EPILOGUE_SUBTILE": 0, "SPLIT_K": split}
+    x, b = randn(37, 40), randn(2 * n)[::2]
+    w = randn(n, 40) if b_trans else randn(40, n).t()
+    with tritonmm.force_backend("triton", "tma", cfg):
+        d = tritonmm.explain(x, w.t())
+        assert (d.kernel, d.config) == ("tma", cfg)
+        out = tritonmm.linear(x, w, b, "gelu")
+        again = tritonmm.linear(x, w, b, "gelu")
+    ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(again, out)
+    counters = getattr(workspace._local, "counters", {})
+    assert len(counters) == 1 and all(int(t.abs().sum()) == 0 for t in counters.values())
+    engine.clear_cache()
+
+
 @pytest.mark.parametrize("reduce", ["last", "kernel"])
 @pytest.mark.parametrize("split", [2, 4])
 def test_splitk_reduction_applies_epilogue_once(split, reduce, monkeypatch):
@@ -180,7 +209,7 @@ def test_splitk_reduction_applies_epilogue_once(split, reduce, monkeypatch):
     workspace.release()
     # NaN-poison the workspace the partials will live in: a split that reduced before the others
     # had stored would read NaN, not the same values left there by an earlier test
-    workspace.buffers(torch.device("cpu"), [((1 << 16,), torch.float32)])[0].fill_(float("nan"))
+    workspace.buffers(torch.device("cpu"), [((1 << 16,), torch.float32)], slot="splitk")[0].fill_(float("nan"))
     cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_stages": 1, "num_warps": 4,
            "SPLIT_K": split}
     x, w, b = randn(19, 200), randn(45, 200), randn(90)[::2]

@@ -77,6 +77,21 @@ def test_read_table_rejects_bad_files(tmp_path):
         assert tuned.read_table(tmp_path / "missing.json") is None
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_read_table_validates_every_named_config(tmp_path, backend):
+    """An entry's config is checked also where cuBLAS won (the benchmark forces that config for its
+    kernel-alone column): a malformed one rejects the table when it is read, not later."""
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_stages": 3, "num_warps": 8,
+           "EPILOGUE_SUBTILE": 0, "SPLIT_K": 0}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {"bfloat16:128:64:64:nn": {
+        "backend": backend, "kernel": "tma", "config": cfg, "triton_us": 1.0, "torch_us": 1.0}}}))
+    with pytest.warns(RuntimeWarning, match="SPLIT_K"):
+        assert tuned.read_table(path) is None
+    path.write_text(path.read_text().replace('"SPLIT_K": 0', '"SPLIT_K": 2'))
+    assert tuned.read_table(path) is not None
+
+
 def test_lookup_gives_decisions(monkeypatch):
     a, b = randn(2048, 512, dtype=torch.bfloat16), randn(512, 1024, dtype=torch.bfloat16)
     p = plan(a, b)

@@ -235,7 +235,16 @@ def bench_matmul_row(shape: dict, dtype: torch.dtype, args, gen) -> dict:
     row["torch_us"], row["tritonmm_us"] = _bench_pair(lambda: torch.matmul(a, b), lambda: tritonmm.matmul(a, b),
                                                       args.rep)
     if not args.no_kernel_only:
-        with tritonmm.force_backend("triton"):
+        # the Triton kernel alone: the tuned table's fastest Triton config for this shape where it
+        # names one (also where cuBLAS won), else whatever @triton.autotune picks
+        from . import shapes, tuned
+
+        e = tuned.entry(a.device, dtype, shapes.plan(a, b))
+        named = e and e.get("config") and e.get("kernel") in ("tma", "pointer", "splitk")
+        force = ("triton", e["kernel"], e["config"]) if named else ("triton",)
+        row["kernel_source"] = "tuned table" if len(force) > 1 else "autotuned"
+        row["kernel_config"] = force[2] if len(force) > 1 else None
+        with tritonmm.force_backend(*force):
             kd = tritonmm.explain(a, b)
             row["kernel"] = kd.kernel
             row["kernel_first_call_ms"] = _first_call_ms(lambda: tritonmm.matmul(a, b))
@@ -458,7 +467,8 @@ def markdown(rows: list[dict], summary: list[dict], machine: dict) -> str:
     lines = [f"{machine.get('gpu', '?')} ({machine.get('sms', '?')} SMs, SM clock {smi.get('clocks.sm', '?')}), "
              f"torch {machine.get('torch', '?')}, triton {machine.get('triton', '?')}, CUDA {machine.get('cuda', '?')}, "
              f"{machine.get('date', '?')}. Ratio = {ratio} (> 1: tritonmm faster); "
-             "kernel = the Triton kernel alone (dispatch forced to Triton)"
+             "kernel = the Triton kernel alone (dispatch forced to Triton: the tuned table's fastest Triton "
+             "config where it has the shape, else autotuned)"
              + ("; vs Inductor = Inductor max-autotune time / tritonmm time." if ind else "."), "",
              "| dtype | class | n | geomean ratio | min ratio | kernel geomean |" + (" vs Inductor |" if ind else ""),
              "|---|---|---|---|---|---|" + ("---|" if ind else "")]
@@ -514,17 +524,21 @@ def cpu_check() -> int:
     import torch.nn.functional as F
 
     import tritonmm
+    from tritonmm.kernels import configs
     from tritonmm.testing import error_report, randn
 
     print("No CUDA GPU: running the Triton kernels through Triton's interpreter (TRITON_INTERPRET=1) "
           "on small problems and checking them against float64 references.")
     torch.manual_seed(0)
     failures = 0
-    print(f"{'dtype':9} {'kernel':8} {'problem':24} {'max err':>10} {'bound':>10}  result")
+    print(f"{'dtype':9} {'kernel':10} {'problem':24} {'max err':>10} {'bound':>10}  result")
+    tma_split = dict(configs.interpreter_config("tma"), SPLIT_K=3, EPILOGUE_SUBTILE=0)  # 3 uneven K slices
     for dtype in DTYPES.values():
-        for kernel in ("tma", "pointer", "splitk", "padded"):
+        for kernel in ("tma", "tma-splitk", "pointer", "splitk", "padded"):
+            force = {"padded": ("torch", "padded"), "tma-splitk": ("triton", "tma", tma_split)}.get(kernel,
+                                                                                                ("triton", kernel))
             for what in ("matmul 97x83x71", "linear+bias+gelu 45x61x53"):
-                with tritonmm.force_backend("torch" if kernel == "padded" else "triton", kernel):
+                with tritonmm.force_backend(*force):
                     if what.startswith("matmul"):
                         a, b = randn(97, 71, dtype=dtype), randn(71, 83, dtype=dtype)
                         rep = error_report(tritonmm.matmul(a, b), a, b)
@@ -535,7 +549,7 @@ def cpu_check() -> int:
                             ref_fn=lambda x_, w_: F.gelu(F.linear(x_, w_, bias.double())),
                             torch_fn=lambda x_, w_: F.gelu(F.linear(x_, w_, bias)), contract=F.linear)
                 failures += not rep["ok"]
-                print(f"{str(dtype)[6:]:9} {kernel:8} {what:24} {rep['tri_err']:>10.2e} {rep['bound']:>10.2e}  "
+                print(f"{str(dtype)[6:]:9} {kernel:10} {what:24} {rep['tri_err']:>10.2e} {rep['bound']:>10.2e}  "
                       f"{'ok' if rep['ok'] else 'FAIL'}")
     print(f"\n{'all checks passed' if not failures else f'{failures} checks FAILED'}. "
           "Timings need a CUDA GPU: run `python -m tritonmm.bench` on one.")

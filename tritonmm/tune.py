@@ -93,7 +93,7 @@ def measure_shape(shape: dict, dtype, layout: str, args, gen) -> dict:
     res = {"tag": shape["tag"], "M": M, "N": N, "K": K, "dtype": str(dtype)[6:], "layout": layout,
            "torch_us": do_bench(lambda: torch.matmul(a, b), warmup=5, rep=args.rep, return_mode="median") * 1e3,
            "configs": []}
-    smem, _ = cfg.device_limits(a.device.index or 0)
+    smem, sms = cfg.device_limits(a.device.index or 0)
 
     def check_and_time(entry: dict) -> None:
         """Under the caller's forcing: the error against float64, then the time if within the bound."""
@@ -119,6 +119,8 @@ def measure_shape(shape: dict, dtype, layout: str, args, gen) -> dict:
             if cfg.smem_bytes(config, a.element_size(), a.element_size(), kernel) > smem:
                 continue
             if config["BLOCK_M"] > 2 * cfg.bucket(M) or config["BLOCK_N"] > 2 * cfg.bucket(N):
+                continue
+            if kernel == "tma" and not cfg.split_useful(M, N, K, config, sms):
                 continue
             entry = {"kernel": kernel, "config": config}
             try:

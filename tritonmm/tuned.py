@@ -66,7 +66,7 @@ def _check_entry(key, e) -> None:
     for timing in ("torch_us", "triton_us"):
         if e.get(timing) is not None and not isinstance(e[timing], (int, float)):
             raise ValueError(f"entry {key!r}: {timing} is not a number")
-    if e["backend"] == "triton":
+    if e["backend"] == "triton" or e.get("config") is not None:  # a torch entry names its fastest Triton config
         try:
             _cfg.validate(e.get("kernel"), e.get("config"))
         except ValueError as exc:
@@ -122,8 +122,9 @@ def _table_for(index: int) -> dict:
     return entries
 
 
-def lookup(device: torch.device, dtype: torch.dtype, plan: Plan):
-    """The measured winner for this problem on this GPU as a Decision, or None."""
+def entry(device: torch.device, dtype: torch.dtype, plan: Plan) -> dict | None:
+    """This GPU's table entry for the problem (float16 and bfloat16 stand in for each other), or None.
+    Its ``kernel`` and ``config`` name the fastest Triton candidate measured even where cuBLAS won."""
     if plan.batch != 1:
         return None
     entries = _table_for(device.index if device.index is not None else torch.cuda.current_device())
@@ -133,6 +134,12 @@ def lookup(device: torch.device, dtype: torch.dtype, plan: Plan):
     e = entries.get(entry_key(dtype, plan.M, plan.N, plan.K, layout))
     if e is None and dtype in _SIBLING:  # float16 and bfloat16 run the same kernels at the same speed
         e = entries.get(entry_key(_SIBLING[dtype], plan.M, plan.N, plan.K, layout))
+    return e
+
+
+def lookup(device: torch.device, dtype: torch.dtype, plan: Plan):
+    """The measured winner for this problem on this GPU as a Decision, or None."""
+    e = entry(device, dtype, plan)
     if e is None:
         return None
     from .dispatch import Decision, tma_copies

@@ -1,6 +1,6 @@
 """Scratch memory reused across calls, like cuBLAS's workspace: split-K partial sums and aligned operand copies.
 
-One buffer per (thread, device, stream): work queued on one stream runs in order, so a buffer
+One buffer per (slot, thread, device, stream): work queued on one stream runs in order, so a buffer
 reused by the next call on that stream is never read and written at once; another stream or
 another thread gets its own buffer (two threads may queue work on one stream interleaved).
 Buffers grow to the largest request up to :data:`WORKSPACE_MAX` bytes and are kept; larger
@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-WORKSPACE_MAX = 256 << 20  # bytes per (thread, device, stream)
+WORKSPACE_MAX = 256 << 20  # bytes per (slot, thread, device, stream)
 _ALIGN = 256  # bytes: each view starts at a multiple (TMA wants 16, coalescing likes 128)
 _local = threading.local()
 
@@ -28,16 +28,18 @@ def _stream_key(device: torch.device):
     return ("cuda", device.index, torch.cuda.current_stream(device).cuda_stream)
 
 
-def buffers(device: torch.device, specs) -> list[torch.Tensor]:
-    """Uninitialized contiguous tensors for one call, carved from this (thread, device, stream)'s buffer.
+def buffers(device: torch.device, specs, slot: str = "copies") -> list[torch.Tensor]:
+    """Uninitialized contiguous tensors for one call, carved from this (slot, thread, device, stream)'s buffer.
 
     Args:
         device: where the tensors live.
         specs: a sequence of (shape, dtype).
+        slot: which buffer: each slot is a separate buffer, so a call can hold tensors of two slots
+            at once (aligned operand copies in "copies", split-K partials in "splitk").
 
     Returns:
-        list[Tensor]: one tensor per spec, valid until the next ``buffers`` call on the same
-        thread, device and stream (use them only within one call).
+        list[Tensor]: one tensor per spec, valid until the next ``buffers`` call for the same
+        slot on the same thread, device and stream (use them only within one call).
     """
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
     offsets, total = [], 0
@@ -47,10 +49,12 @@ def buffers(device: torch.device, specs) -> list[torch.Tensor]:
     key = _stream_key(device)
     if key is None or total > WORKSPACE_MAX:
         raw = torch.empty(total, dtype=torch.uint8, device=device)
+        key = None
     else:
         cache = getattr(_local, "buffers", None)
         if cache is None:
             cache = _local.buffers = {}
+        key = (slot, *key)
         raw = cache.get(key)
         if raw is None or raw.numel() < total:
             cache.pop(key, None)  # free the smaller buffer before allocating the larger one

@@ -51,15 +51,21 @@ def _candidates_file() -> dict[str, Any]:
 
 
 def candidates(kernel: str) -> list[dict[str, int]]:
-    """The candidate configs of ``kernel`` ("pointer", "splitk" or "tma") as dicts of field -> value."""
+    """The candidate configs of ``kernel`` ("pointer", "splitk" or "tma") as dicts of field -> value,
+    optional fields a row leaves out filled in (:func:`complete`)."""
     table = _candidates_file()[kernel]
-    return [dict(zip(table["fields"], row)) for row in table["configs"]]
+    return [complete(kernel, dict(zip(table["fields"], row))) for row in table["configs"]]
+
+
+OPTIONAL = {"tma": {"SPLIT_K": 1}}
+"""Fields a config of a kernel may leave out, with their values (tma configs from before split-K)."""
 
 
 def validate(kernel: str, config) -> None:
     """Check that ``config`` is a config of ``kernel``: the fields of its candidates, each an int
-    (>= 1; ``EPILOGUE_SUBTILE`` may be 0; ``SPLIT_K`` >= 2, one split being the pointer kernel).
-    Whether Triton can compile it is another matter.
+    (>= 1; ``EPILOGUE_SUBTILE`` may be 0; the "splitk" kernel's ``SPLIT_K`` >= 2, one split being the
+    pointer kernel; a "tma" config may leave ``SPLIT_K`` out, meaning 1). Whether Triton can compile
+    it is another matter.
 
     Raises:
         ValueError: unknown kernel, missing or extra fields, or a value of the wrong type or range.
@@ -67,18 +73,25 @@ def validate(kernel: str, config) -> None:
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     fields = set(candidates(kernel)[0])
-    if not isinstance(config, dict) or set(config) != fields:
+    optional = set(OPTIONAL.get(kernel, ()))
+    if not isinstance(config, dict) or not (fields - optional <= set(config) <= fields):
         got = sorted(config) if isinstance(config, dict) else type(config).__name__
-        raise ValueError(f"a {kernel} config needs exactly the fields {sorted(fields)}, got {got}")
+        some = f" ({sorted(optional)} optional)" if optional else ""
+        raise ValueError(f"a {kernel} config needs exactly the fields {sorted(fields)}{some}, got {got}")
     for k, v in config.items():
-        low = {"EPILOGUE_SUBTILE": 0, "SPLIT_K": 2}.get(k, 1)  # one split is the pointer kernel
+        low = {"EPILOGUE_SUBTILE": 0, "SPLIT_K": 2 if kernel == "splitk" else 1}.get(k, 1)
         if type(v) is not int or v < low:
             raise ValueError(f"{kernel} config field {k} must be an int >= {low}, got {v!r}")
 
 
+def complete(kernel: str, config: dict) -> dict[str, int]:
+    """A copy of ``config`` with the optional fields it leaves out (:data:`OPTIONAL`) filled in."""
+    return {**config, **{k: v for k, v in OPTIONAL.get(kernel, {}).items() if k not in config}}
+
+
 def interpreter_config(kernel: str) -> dict[str, int]:
     """The one config used for ``kernel`` under ``TRITON_INTERPRET=1``."""
-    return dict(_candidates_file()["interpreter"][kernel])
+    return complete(kernel, _candidates_file()["interpreter"][kernel])
 
 
 def to_triton(cfg: dict[str, int]):
@@ -103,13 +116,44 @@ def bucket(x: int) -> int:
 
 
 def smem_bytes(cfg: dict[str, int], itemsize: int, out_itemsize: int, kernel: str) -> int:
-    """Shared memory of one program in bytes: pipelined A/B tiles plus the TMA epilogue buffer."""
+    """Shared memory of one program in bytes: pipelined A/B tiles plus the TMA epilogue buffer (the
+    split-K TMA kernel's fp32 partial tile reuses the pipeline's buffers: Triton 3.6 for sm_90 reports
+    the same size with and without a split)."""
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     stages = max(cfg["num_stages"], 1)
     total = stages * (bm * bk + bk * bn) * itemsize
     if kernel == "tma":
         total += bm * bn * out_itemsize // (2 if cfg.get("EPILOGUE_SUBTILE") else 1)
     return total
+
+
+SPLIT_MAX_M = 256
+"""Split-K TMA configs are kept for M up to this and fewer output tiles than SMs: the memory-bound
+rows (a weight streamed by few tiles) where splitting K puts more SMs to work; elsewhere it only
+adds partial-sum traffic."""
+
+
+def splits_all_busy(K: int, cfg: dict[str, int], kernel: str) -> bool:
+    """Whether every one of a split-K config's ``SPLIT_K`` K slices holds work (an empty slice still
+    stores and sums a zero partial). The pointer kernel gives each split ceil(ceil(K / S) / BLOCK_K)
+    BLOCK_K steps, the TMA kernel ceil(ceil(K / BLOCK_K) / S); True without a split."""
+    s, bk = cfg.get("SPLIT_K", 1), cfg["BLOCK_K"]
+    if s == 1:
+        return True
+    if kernel == "tma":  # in BLOCK_K steps
+        k_tiles = math.ceil(K / bk)
+        return (s - 1) * math.ceil(k_tiles / s) < k_tiles
+    return (s - 1) * math.ceil(math.ceil(K / s) / bk) * bk < K  # in elements
+
+
+def split_useful(M: int, N: int, K: int, cfg: dict[str, int], num_sms: int | None) -> bool:
+    """Whether a split-K TMA config is worth running on an M x N x K problem (see :data:`SPLIT_MAX_M`,
+    :func:`splits_all_busy`); True for configs without a split."""
+    if cfg.get("SPLIT_K", 1) == 1:
+        return True
+    tiles = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+    return (M <= SPLIT_MAX_M and num_sms is not None and tiles < num_sms
+            and splits_all_busy(K, cfg, "tma"))
 
 
 @functools.cache
@@ -157,11 +201,14 @@ def prune(
             continue
         if cfg["BLOCK_M"] > bm_max or cfg["BLOCK_N"] > bn_max or cfg["BLOCK_K"] > bk_max:
             continue
-        if cfg.get("SPLIT_K", 1) > 1 and K < cfg["SPLIT_K"] * cfg["BLOCK_K"]:
+        if kernel == "splitk" and not splits_all_busy(K, cfg, kernel):
+            continue
+        if kernel == "tma" and not split_useful(M, N, K, cfg, num_sms):
             continue
         kept.append(cfg)
     if not kept:
-        fitting = [c for c in cfgs if smem_limit is None or smem_bytes(c, itemsize, out_itemsize, kernel) <= smem_limit]
+        fitting = [c for c in cfgs if (kernel == "splitk" or c.get("SPLIT_K", 1) == 1)
+                   and (smem_limit is None or smem_bytes(c, itemsize, out_itemsize, kernel) <= smem_limit)]
         kept = [min(fitting or cfgs, key=lambda c: c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"])]
     if num_sms and len(kept) > keep:
         kept.sort(key=lambda c: -wave_efficiency(M, N, c, num_sms, batch))
@@ -169,10 +216,19 @@ def prune(
     return kept
 
 
-def heuristic(kernel: str, M: int, N: int, K: int, itemsize: int, out_itemsize: int, device) -> dict[str, int]:
-    """One config without benchmarking: the candidates pruned as for autotuning, best quantization first.
+def split_pool_key(kernel: str, pool: list[dict[str, int]]) -> int:
+    """Which of ``kernel``'s split-K candidates a pruned pool holds, as a bitmask over
+    :func:`candidates` (0: none). Part of the TMA kernel's autotune key: shapes of one bucket can
+    keep different split configs, and the workspace is sized for the pool."""
+    return sum(1 << i for i, c in enumerate(candidates(kernel)) if c.get("SPLIT_K", 1) > 1 and c in pool)
 
-    Used when ``TRITONMM_AUTOTUNE=0``; ties keep the order of ``candidates.json`` (preferred first).
+
+def heuristic(kernel: str, M: int, N: int, K: int, itemsize: int, out_itemsize: int, device) -> dict[str, int]:
+    """One config without benchmarking: the first of the candidates that pruning keeps, in the order
+    of ``candidates.json`` (preferred first; the wave-quantization ranking only orders pools larger
+    than autotuning's ``keep``, which this passes as the whole list).
+
+    Used when ``TRITONMM_AUTOTUNE=0`` and for a first launch inside CUDA graph capture.
     """
     smem, sms = device_limits(device.index if device.index is not None else 0) if device.type == "cuda" else (None, 4)
     return prune(candidates(kernel), M=M, N=N, K=K, itemsize=itemsize, out_itemsize=out_itemsize,

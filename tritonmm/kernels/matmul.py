@@ -221,16 +221,63 @@ def _splitk_reduce_kernel(
 
 
 @triton.jit
+def _tma_dot_step(a_desc, b_desc, offs_am, offs_bn, offs_k, acc, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
+                  UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One BLOCK_K step of the TMA kernel: load an A and a B tile (TMA zero-fills past K, M and N: no
+    masks) and accumulate their product into ``acc``."""
+    if A_TRANS:
+        a = a_desc.load([offs_k, offs_am]).T
+    else:
+        a = a_desc.load([offs_am, offs_k])
+    if B_TRANS:
+        b = b_desc.load([offs_bn, offs_k]).T
+    else:
+        b = b_desc.load([offs_k, offs_bn])
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _tma_store_c(acc, c_desc, c_ptr, bias_ptr, offs_am, offs_bn, M, N, stride_cm, stride_bias,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, C_TMA: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr):
+    """The TMA kernel's epilogue on one fp32 tile: bias, activation, rounding, store of C."""
+    offs_n = offs_bn + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    acc = _activation(acc, ACTIVATION)
+    if C_TMA:
+        if EPILOGUE_SUBTILE:  # two half-width stores: half the epilogue's shared memory
+            acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            acc0, acc1 = tl.split(acc)
+            c_desc.store([offs_am, offs_bn], _to_output(acc0, c_ptr.dtype.element_ty, UPCAST))
+            c_desc.store([offs_am, offs_bn + BLOCK_N // 2], _to_output(acc1, c_ptr.dtype.element_ty, UPCAST))
+        else:
+            c_desc.store([offs_am, offs_bn], _to_output(acc, c_ptr.dtype.element_ty, UPCAST))
+    else:  # C's row stride is not 16-byte aligned: masked pointer store, 64-bit offsets
+        offs_m = offs_am + tl.arange(0, BLOCK_M)
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(c_ptrs, _to_output(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+
+
+@triton.jit
 def _matmul_tma_kernel(
     a_ptr,  # (M, K) row-major, or (K, M) row-major storage when A_TRANS
     b_ptr,  # (K, N) row-major, or (N, K) row-major storage when B_TRANS (an nn.Linear weight)
     c_ptr,  # (M, N), unit column stride
     bias_ptr,  # (N,) or a dummy when HAS_BIAS is False
+    p_ptr,  # SPLIT_K > 1: (SPLIT_K, M, N) float32 partials, contiguous; else a dummy
+    lock_ptr,  # SPLIT_K > 1: int32 arrival counters, one per tile, zero between launches; else a dummy
     M, N, K,
     stride_a, stride_b, stride_cm, stride_bias,  # leading (row) strides in elements
-    M_BUCKET, N_BUCKET, K_BUCKET,  # autotune key only
+    stride_p,  # elements from one split's partial to the next (M * N; an argument: M or N may be the constant 1)
+    M_BUCKET, N_BUCKET, K_BUCKET, SPLIT_POOL,  # autotune key only
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPILOGUE_SUBTILE: tl.constexpr, NUM_SMS: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr, SPLIT_K: tl.constexpr, NUM_SMS: tl.constexpr,
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -247,6 +294,7 @@ def _matmul_tma_kernel(
         C_BLOCK_N: tl.constexpr = BLOCK_N // 2
     else:
         C_BLOCK_N: tl.constexpr = BLOCK_N
+    c_desc = c_ptr  # unused when C is stored through pointers
     if C_TMA:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, C_BLOCK_N])
 
@@ -256,44 +304,49 @@ def _matmul_tma_kernel(
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
 
-    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _group_m_order(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        offs_am = pid_m * BLOCK_M
-        offs_bn = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            offs_k = ki * BLOCK_K  # TMA zero-fills past K, M and N: no masks
-            if A_TRANS:
-                a = a_desc.load([offs_k, offs_am]).T
-            else:
-                a = a_desc.load([offs_am, offs_k])
-            if B_TRANS:
-                b = b_desc.load([offs_bn, offs_k]).T
-            else:
-                b = b_desc.load([offs_k, offs_bn])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-
-        offs_n = offs_bn + tl.arange(0, BLOCK_N)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        acc = _activation(acc, ACTIVATION)
-        if C_TMA:
-            if EPILOGUE_SUBTILE:  # two half-width stores: half the epilogue's shared memory
-                acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-                acc0, acc1 = tl.split(acc)
-                c_desc.store([offs_am, offs_bn], _to_output(acc0, c_ptr.dtype.element_ty, UPCAST))
-                c_desc.store([offs_am, offs_bn + BLOCK_N // 2], _to_output(acc1, c_ptr.dtype.element_ty, UPCAST))
-            else:
-                c_desc.store([offs_am, offs_bn], _to_output(acc, c_ptr.dtype.element_ty, UPCAST))
-        else:  # C's row stride is not 16-byte aligned: masked pointer store, 64-bit offsets
+    if SPLIT_K == 1:
+        for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+            pid_m, pid_n = _group_m_order(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            offs_am = pid_m * BLOCK_M
+            offs_bn = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                acc = _tma_dot_step(a_desc, b_desc, offs_am, offs_bn, ki * BLOCK_K, acc,
+                                    A_TRANS, B_TRANS, UPCAST, INPUT_PRECISION)
+            _tma_store_c(acc, c_desc, c_ptr, bias_ptr, offs_am, offs_bn, M, N, stride_cm, stride_bias,
+                         BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE, C_TMA, HAS_BIAS, ACTIVATION, UPCAST)
+    else:
+        # split-K: work units are (tile, split) pairs, a tile's splits adjacent so they run side by
+        # side; each stores an fp32 partial, and the tile's last split to finish (counted with an
+        # atomic, as in the pointer kernel) sums the partials in order 0..SPLIT_K-1 and applies the
+        # epilogue. For few tiles with a long K (M = 128 rows of a weight): more SMs stream the weight
+        k_per_split = tl.cdiv(k_tiles, SPLIT_K)
+        for unit in tl.range(start_pid, num_tiles * SPLIT_K, NUM_SMS):
+            tile_id = unit // SPLIT_K
+            split = unit % SPLIT_K
+            pid_m, pid_n = _group_m_order(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            offs_am = pid_m * BLOCK_M
+            offs_bn = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(split * k_per_split, tl.minimum(split * k_per_split + k_per_split, k_tiles)):
+                acc = _tma_dot_step(a_desc, b_desc, offs_am, offs_bn, ki * BLOCK_K, acc,
+                                    A_TRANS, B_TRANS, UPCAST, INPUT_PRECISION)
             offs_m = offs_am + tl.arange(0, BLOCK_M)
-            c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-            c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-            tl.store(c_ptrs, _to_output(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+            offs_n = offs_bn + tl.arange(0, BLOCK_N)
+            offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+            mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            tl.store(p_ptr + split.to(tl.int64) * stride_p + offs, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is stored before the one atomic below (acq_rel)
+            arrived = tl.atomic_add(lock_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                p_ptrs = p_ptr + offs
+                acc = tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                for _ in tl.static_range(1, SPLIT_K):  # partial order 0..SPLIT_K-1: deterministic
+                    p_ptrs += stride_p
+                    acc += tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                _tma_store_c(acc, c_desc, c_ptr, bias_ptr, offs_am, offs_bn, M, N, stride_cm, stride_bias,
+                             BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE, C_TMA, HAS_BIAS, ACTIVATION, UPCAST)
+                tl.atomic_xchg(lock_ptr + tile_id, 0)  # ready for the next launch on this stream
 
 
 # --------------------------------------------------------------------------- launch helpers
@@ -388,7 +441,10 @@ def autotuned(kernel: str):
     configs = [_cfg.to_triton(c) for c in _cfg.candidates(kernel)]
     prune = {"early_config_prune": functools.partial(_early_prune, kernel)}
     if kernel == "tma":
-        key = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_TRANS", "B_TRANS", "NUM_SMS"]
+        # SPLIT_POOL: which split-K configs pruning kept for this problem. Shapes of one bucket can keep
+        # different ones (K = 200 and 256 share a bucket, 4 splits of 64 fit only the second), and the
+        # workspace is sized for the pool, so a config tuned on another pool must not be reused
+        key = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "SPLIT_POOL", "A_TRANS", "B_TRANS", "NUM_SMS"]
         fn = _matmul_tma_kernel
     else:
         key = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT"]
@@ -459,7 +515,7 @@ def _fixed_config(kernel: str, config, M, N, K, dtype: torch.dtype, device: torc
     ``TRITONMM_AUTOTUNE=0``, the quantization heuristic's pick.
     """
     if config is not None:
-        return dict(config)
+        return _cfg.complete(kernel, config)
     if interpreting():
         return _cfg.interpreter_config(kernel)
     if not autotune_enabled() or deterministic_configs():
@@ -524,7 +580,7 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
         target = locks = c
         if split_k:  # fp32 partials live in the reused workspace (no per-call allocation)
             splits = cfg["SPLIT_K"] if cfg else max(x["SPLIT_K"] for x in _cfg.candidates("splitk"))
-            (target,) = workspace.buffers(c.device, [((splits, M, N), torch.float32)])
+            (target,) = workspace.buffers(c.device, [((splits, M, N), torch.float32)], slot="splitk")
             if reduce_last:
                 if cfg is None:  # autotuning: any candidate may run
                     n_locks = max(map(tile_count, _cfg.candidates("splitk")))
@@ -564,26 +620,49 @@ def tma_launcher(M, N, K, a_trans, stride_a, b_trans, stride_b, dtype, device, b
         a_trans, stride_a: A is read as (M, K) row-major with row stride ``stride_a`` elements, or,
             when ``a_trans``, through its (K, M) row-major storage (see :func:`tma_layout`).
         b_trans, stride_b: likewise for B (K, N); ``b_trans`` reads an (N, K) nn.Linear weight in place.
-        dtype, device, bias_stride, activation, config: as in :func:`pointer_launcher`.
+        dtype, device, bias_stride, activation, config: as in :func:`pointer_launcher`. A config with
+            ``SPLIT_K`` >= 2 splits K: (SPLIT_K, M, N) fp32 partials in the workspace (slot
+            "splitk"), summed with the epilogue by each tile's last split; without ``SPLIT_K``, 1.
         C is a contiguous (M, N) tensor; it is stored through TMA when its rows are 16-byte aligned.
     """
     state = {"config": _fixed_config("tma", config, M, N, K, dtype, device)}
     sms = num_sms(device)
     esize = torch.tensor([], dtype=dtype).element_size()
-    ints = (M, N, K, stride_a, stride_b, N, bias_stride or 0, _cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K))
+    pool, split_pool = [], 0
+    if state["config"] is None:  # autotuning: the candidates pruning keeps, as @triton.autotune will
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        pool = _cfg.prune(_cfg.candidates("tma"), M=M, N=N, K=K, itemsize=esize, out_itemsize=esize, kernel="tma",
+                          smem_limit=_cfg.device_limits(index)[0], num_sms=sms)
+        split_pool = _cfg.split_pool_key("tma", pool)
+    ints = (M, N, K, stride_a, stride_b, N, bias_stride or 0, M * N, _cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K),
+            split_pool)
     meta = dict(NUM_SMS=sms, A_TRANS=a_trans, B_TRANS=b_trans, C_TMA=(N * esize) % 16 == 0,
                 HAS_BIAS=bias_stride is not None, ACTIVATION=activation,
                 INPUT_PRECISION=_input_precision(dtype, device), UPCAST=interpreting() and dtype == torch.bfloat16)
 
+    def tiles(x) -> int:
+        return triton.cdiv(M, x["BLOCK_M"]) * triton.cdiv(N, x["BLOCK_N"])
+
     def grid(META):
-        return (min(sms, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)
+        return (min(sms, tiles(META) * META["SPLIT_K"]),)
+
+    def scratch(cfg, device):
+        """(partials, counters) for a launch of ``cfg`` (None: autotuning, any config of the pool may run)."""
+        split = [x for x in ([cfg] if cfg is not None else pool) if x["SPLIT_K"] > 1]
+        if not split:
+            return None, None
+        (partials,) = workspace.buffers(device, [((max(x["SPLIT_K"] for x in split), M, N), torch.float32)],
+                                        slot="splitk")
+        return partials, workspace.counters(device, max(map(tiles, split)))
 
     def launch(a, b, c, bias):
         _ensure_allocator()
         cfg = state["config"]
         if cfg is None and capturing(c.device):
             cfg = state["config"] = _capture_config("tma", M, N, K, dtype, device)
-        args = (a, b, c, bias if bias is not None else c, *ints)
+        partials, locks = scratch(cfg, c.device) if cfg is None or cfg["SPLIT_K"] > 1 else (None, None)
+        args = (a, b, c, bias if bias is not None else c, c if partials is None else partials,
+                c if locks is None else locks, *ints)
         if cfg is None:
             state["config"] = _autotune("tma", grid, args, meta)
         else:
