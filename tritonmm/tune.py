@@ -33,8 +33,10 @@ from .bench import DTYPES, default_suite, load_suite
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m tritonmm.tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", type=pathlib.Path, default=None)
-    p.add_argument("--tags", nargs="+", default=None)
+    p.add_argument("--shapes", type=pathlib.Path, default=None,
+                   help="shape suite JSON (the format of configs/shapes.json; default: the public suite)")
+    p.add_argument("--tags", nargs="+", default=None,
+                   help="only shapes whose tag starts with one of these (e.g. llama8b odd)")
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["bfloat16"])
     p.add_argument("--layout", nargs="+", choices=["nn", "nt"], default=["nn"])
     p.add_argument("--kernels", nargs="+", choices=["tma", "pointer", "splitk", "padded"],
@@ -44,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=25, help="do_bench rep time per config in ms")
     p.add_argument("--pair-rounds", type=int, default=6,
                    help="turns of the final alternating timing of the fastest candidate against torch.matmul, "
-                        "which decides the backend (0: decide on the sweep's own times)")
+                        "which decides the backend (0: decide on the sweep's own times; default %(default)s)")
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="output file, or a directory for the default name (default: configs/tuned/)")
     p.add_argument("--merge", action="store_true", help="keep entries of an existing table that this run does not measure")
