@@ -204,6 +204,26 @@ def test_splitk_partials_past_2_31():
     torch.cuda.empty_cache()
 
 
+def _on_two_streams(fn, repeats: int, poison: int) -> tuple[list, list]:
+    """``repeats`` calls of ``fn`` on each of two new streams, interleaved, after NaN-poisoning the first
+    ``poison`` fp32 elements of each stream's split-K partials (a split reducing too early reads NaN)."""
+    from tritonmm import workspace
+
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        with torch.cuda.stream(s):
+            workspace.buffers(torch.device("cuda", torch.cuda.current_device()), [((poison,), torch.float32)],
+                              slot="splitk")[0].fill_(float("nan"))
+    torch.cuda.synchronize()
+    outs = ([], [])
+    for _ in range(repeats):
+        for stream_outs, s in zip(outs, streams):
+            with torch.cuda.stream(s):
+                stream_outs.append(fn())
+    torch.cuda.synchronize()
+    return outs
+
+
 @pytest.mark.parametrize("split_k", [2, 3, 8, 16])
 def test_splitk_reduce_last_equals_reduction_kernel(split_k, monkeypatch):
     """The in-kernel last-arriver reduction gives bitwise the two-kernel reduction's result (same
@@ -221,19 +241,9 @@ def test_splitk_reduce_last_equals_reduction_kernel(split_k, monkeypatch):
     assert_matches_reference(want, a, b, ref_fn=lambda a_, b_: F.gelu(a_ @ b_ + bias.double()),
                              torch_fn=lambda a_, b_: F.gelu(a_ @ b_ + bias))
     monkeypatch.setattr(km, "SPLITK_REDUCE", "last")
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for s in streams:  # NaN-poison each stream's workspace: a split reducing too early reads NaN
-        with torch.cuda.stream(s):
-            workspace.buffers(a.device, [((split_k * M * N,), torch.float32)], slot="splitk")[0].fill_(float("nan"))
-    torch.cuda.synchronize()
-    outs = {i: [] for i in range(2)}
-    for _ in range(30):
-        for i, s in enumerate(streams):
-            with torch.cuda.stream(s):
-                outs[i].append(_launch("splitk", a, b, config, bias, "gelu"))
-    torch.cuda.synchronize()
-    for i in range(2):
-        for out in outs[i]:
+    outs = _on_two_streams(lambda: _launch("splitk", a, b, config, bias, "gelu"), 30, split_k * M * N)
+    for stream_outs in outs:
+        for out in stream_outs:
             assert torch.equal(out, want)
     for t in workspace._local.counters.values():
         assert int(t.abs().sum()) == 0
@@ -259,23 +269,12 @@ def test_tma_splitk_is_exact_and_repeatable(M, N, K, b_trans, split_k):
     with tritonmm.force_backend("triton", "tma", config):
         d = tritonmm.explain(a, b)
         assert (d.kernel, d.config) == ("tma", config), str(d)
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for s in streams:  # NaN-poison each stream's partials: a split reducing too early reads NaN
-        with torch.cuda.stream(s):
-            workspace.buffers(a.device, [((split_k * M * N,), torch.float32)], slot="splitk")[0].fill_(float("nan"))
-    torch.cuda.synchronize()
-    outs = {i: [] for i in range(2)}
-    with tritonmm.force_backend("triton", "tma", config):
-        for _ in range(20):
-            for i, s in enumerate(streams):
-                with torch.cuda.stream(s):
-                    outs[i].append(tritonmm.linear(a, w, bias, "gelu"))
-    torch.cuda.synchronize()
+        outs = _on_two_streams(lambda: tritonmm.linear(a, w, bias, "gelu"), 20, split_k * M * N)
     first = outs[0][0]
     assert_matches_reference(first, a, b, ref_fn=lambda a_, b_: F.gelu(a_ @ b_ + bias.double()),
                              torch_fn=lambda a_, b_: F.gelu(a_ @ b_ + bias))
-    for i in range(2):
-        for out in outs[i]:
+    for stream_outs in outs:
+        for out in stream_outs:
             assert torch.equal(out, first)
     for t in workspace._local.counters.values():
         assert int(t.abs().sum()) == 0

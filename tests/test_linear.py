@@ -167,6 +167,21 @@ def test_mixed_dtypes_outside_autocast_raise_like_f_linear():
         tritonmm.linear(x, w)
 
 
+def _poison_splitk_partials():
+    """NaN-fill the workspace the split-K partials will live in: a split that reduced before the others
+    had stored would read NaN, not the same values left there by an earlier test."""
+    from tritonmm import workspace
+
+    workspace.buffers(torch.device("cpu"), [((1 << 16,), torch.float32)], slot="splitk")[0].fill_(float("nan"))
+
+
+def _check_gelu_linear(out, again, x, w, b):
+    """``out`` is gelu(F.linear(x, w, b)) to 1e-5 of float64, and the repeat ``again`` is bitwise equal."""
+    ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(again, out)
+
+
 @pytest.mark.parametrize("split", [2, 3, 5])
 @pytest.mark.parametrize("n,b_trans", [(45, True), (48, False)])
 def test_tma_splitk_applies_epilogue_once(split, n, b_trans):
@@ -178,7 +193,7 @@ def test_tma_splitk_applies_epilogue_once(split, n, b_trans):
 
     engine.clear_cache()
     workspace.release()
-    workspace.buffers(torch.device("cpu"), [((1 << 16,), torch.float32)], slot="splitk")[0].fill_(float("nan"))
+    _poison_splitk_partials()
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_stages": 1, "num_warps": 4,
            "EPILOGUE_SUBTILE": 0, "SPLIT_K": split}
     x, b = randn(37, 40), randn(2 * n)[::2]
@@ -188,9 +203,7 @@ def test_tma_splitk_applies_epilogue_once(split, n, b_trans):
         assert (d.kernel, d.config) == ("tma", cfg)
         out = tritonmm.linear(x, w, b, "gelu")
         again = tritonmm.linear(x, w, b, "gelu")
-    ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(again, out)
+    _check_gelu_linear(out, again, x, w, b)
     counters = getattr(workspace._local, "counters", {})
     assert len(counters) == 1 and all(int(t.abs().sum()) == 0 for t in counters.values())
     engine.clear_cache()
@@ -207,9 +220,7 @@ def test_splitk_reduction_applies_epilogue_once(split, reduce, monkeypatch):
     monkeypatch.setattr(km, "SPLITK_REDUCE", reduce)
     engine.clear_cache()  # launchers read SPLITK_REDUCE when built
     workspace.release()
-    # NaN-poison the workspace the partials will live in: a split that reduced before the others
-    # had stored would read NaN, not the same values left there by an earlier test
-    workspace.buffers(torch.device("cpu"), [((1 << 16,), torch.float32)], slot="splitk")[0].fill_(float("nan"))
+    _poison_splitk_partials()
     cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_stages": 1, "num_warps": 4,
            "SPLIT_K": split}
     x, w, b = randn(19, 200), randn(45, 200), randn(90)[::2]
@@ -217,9 +228,7 @@ def test_splitk_reduction_applies_epilogue_once(split, reduce, monkeypatch):
         assert tritonmm.explain(x, w.t()).kernel == "splitk"
         out = tritonmm.linear(x, w, b, "gelu")
         again = tritonmm.linear(x, w, b, "gelu")
-    ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(again, out)
+    _check_gelu_linear(out, again, x, w, b)
     counters = getattr(workspace._local, "counters", {})
     assert (len(counters) == 1) == (reduce == "last")
     assert all(int(t.abs().sum()) == 0 for t in counters.values())
