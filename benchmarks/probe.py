@@ -464,6 +464,203 @@ def splitk_sweep():
                 print("splitk_sweep", line, flush=True)
 
 
+
+# --------------------------------------------------------------------------- decode GEMV prototype
+@triton.jit(do_not_specialize=["SPLITS", "K_TILES"])
+def _gemv_kernel(a_ptr, b_ptr, p_ptr, c_ptr, lock_ptr, M, N, K, SPLITS, K_TILES,
+                 stride_am, stride_ak, stride_bk, stride_bn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C (M, N) = A (M, K) @ B (K, N) for M <= BLOCK_M in {1, 16}: grid (N / BLOCK_N, SPLITS); each program
+    reads K_TILES tiles (BLOCK_K, BLOCK_N) of B, CUDA-core FMAs for BLOCK_M = 1 (tl.dot otherwise), writes an
+    fp32 partial; the column block's last split sums the partials in order."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    k0 = pid_s * K_TILES * BLOCK_K
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for i in range(K_TILES):
+        offs_k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
+        mk = offs_k < K
+        b = tl.load(b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :] * stride_bn,
+                    mask=mk[:, None] & mask_n[None, :], other=0.0)
+        if BLOCK_M == 1:
+            a = tl.load(a_ptr + offs_k * stride_ak, mask=mk, other=0.0)
+            acc += a.to(tl.float32)[:, None] * b.to(tl.float32)
+        else:
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                        mask=(offs_m[:, None] < M) & mk[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+    if BLOCK_M == 1:
+        part = tl.sum(acc, axis=0)[None, :]
+    else:
+        part = acc
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & mask_n[None, :]
+    if SPLITS == 1:
+        tl.store(c_ptr + offs, part.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(p_ptr + pid_s.to(tl.int64) * M * N + offs, part, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            tot = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            pp = p_ptr + offs
+            for s in range(SPLITS):
+                tot += tl.load(pp, mask=mask, other=0.0, cache_modifier=".cg")
+                pp += M * N
+            tl.store(c_ptr + offs, tot.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
+def gemv():
+    """Decode rows (M = 1, 16; nn and nt; bfloat16): the GEMV prototype over BLOCK_N, BLOCK_K, K tiles per
+    program and num_warps, each timed with the bench timer; the best against torch.matmul in the bench's
+    pair; the pure read of the weight (the floor) with the same timer."""
+    from tritonmm import bench as tb
+
+    r = res.setdefault("gemv", [])
+    dt = torch.bfloat16
+    rows = [(N, K) for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))]
+    for layout in ("nn", "nt"):
+        for (N, K) in rows:
+            w = torch.randn(K, N, device="cuda", dtype=dt) if layout == "nn" else \
+                torch.randn(N, K, device="cuda", dtype=dt).T
+            n = w.numel()
+            rd = torch.empty(triton.cdiv(n, 4096), device="cuda", dtype=torch.float32)
+            wflat = w if layout == "nn" else w.T
+            floor_us = tb._bench_us(lambda: _read_kernel[(triton.cdiv(n, 4096),)](wflat, rd, n, BLOCK=4096, num_warps=8), rep=20)
+            for M in (1, 16):
+                a = torch.randn(M, K, device="cuda", dtype=dt)
+                ref = torch.matmul(a.double(), w.double())
+                locks = torch.zeros(N // 32 + 1, device="cuda", dtype=torch.int32)
+                results = []
+                for bn, bk, nw in itertools.product((128, 256, 512), (32, 64, 128), (4, 8)):
+                    if bn * bk > 32768 or (M == 16 and bk < 32):
+                        continue
+                    for kt in (1, 2, 4, 8, 16):
+                        splits = triton.cdiv(K, bk * kt)
+                        if splits > 128 or (kt > 1 and triton.cdiv(K, bk * (kt // 2)) == splits):
+                            continue
+                        part = torch.empty(splits * M * N, device="cuda", dtype=torch.float32)
+                        c = torch.full((M, N), float("nan"), device="cuda", dtype=dt)
+                        grid = (triton.cdiv(N, bn), splits)
+                        f = (lambda grid=grid, part=part, c=c, splits=splits, kt=kt, bn=bn, bk=bk, nw=nw:
+                             _gemv_kernel[grid](a, w, part, c, locks, M, N, K, splits, kt, a.stride(0), a.stride(1),
+                                                w.stride(0), w.stride(1), BLOCK_M=1 if M == 1 else 16,
+                                                BLOCK_N=bn, BLOCK_K=bk, num_warps=nw))
+                        try:
+                            f()
+                            torch.cuda.synchronize()
+                            err = (c.double() - ref).abs().max().item()
+                            if not err <= 0.02 * ref.abs().max().item():
+                                print("gemv BAD", layout, M, N, K, bn, bk, nw, kt, err, flush=True)
+                                continue
+                            t = tb._bench_us(f, rep=6)
+                        except Exception as e:  # noqa: BLE001
+                            print("gemv ERR", bn, bk, nw, kt, type(e).__name__, str(e)[:200], flush=True)
+                            continue
+                        results.append((t, dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, K_TILES=kt, SPLITS=splits), f))
+                results.sort(key=lambda x: x[0])
+                line = dict(layout=layout, M=M, N=N, K=K, floor_us=round(floor_us, 2),
+                            top=[(round(t, 2), cfg) for t, cfg, _ in results[:6]])
+                pairs = []
+                for t, cfg, f in results[:2]:
+                    t_torch, t_k = tb._bench_pair(lambda: torch.matmul(a, w), f, rep=80)
+                    pairs.append(dict(cfg=cfg, torch_us=round(t_torch, 2), us=round(t_k, 2), ratio=round(t_torch / t_k, 4)))
+                line["pairs"] = pairs
+                r.append(line)
+                print("gemv", json.dumps(line), flush=True)
+
+
+def aa_raw():
+    """Identical cuBLAS calls in the bench's pair timer, raw samples (bf16 512^3 and fp16 1024^3):
+    torch vs tritonmm (dispatched to torch), and torch vs another torch.matmul lambda."""
+    from tritonmm import bench as tb
+
+    r = res.setdefault("aa_raw", [])
+    tb.warm_up_gpu()
+    for dt, n in ((torch.bfloat16, 512), (torch.float16, 1024)):
+        a = torch.randn(n, n, device="cuda", dtype=dt)
+        b = torch.randn(n, n, device="cuda", dtype=dt)
+        tritonmm.matmul(a, b)
+        for name, g in (("tritonmm", lambda: tritonmm.matmul(a, b)), ("torch2", lambda: torch.matmul(a, b))):
+            t0, t1 = [], []
+            for _ in range(10):
+                x, y = tb._pair_times_ms((lambda: torch.matmul(a, b), g), 6)
+                t0 += x
+                t1 += y
+            t0 = torch.tensor(t0) * 1e3
+            t1 = torch.tensor(t1) * 1e3
+            line = dict(dtype=str(dt)[6:], n=n, other=name, samples=len(t0),
+                        med=[round(t0.median().item(), 3), round(t1.median().item(), 3)],
+                        mean=[round(t0.mean().item(), 3), round(t1.mean().item(), 3)],
+                        q=[[round(v, 3) for v in t.quantile(torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9], dtype=t.dtype)).tolist()] for t in (t0, t1)],
+                        distinct=[sorted(set(round(v, 3) for v in t.tolist()))[:12] for t in (t0, t1)])
+            r.append(line)
+            print("aa_raw", json.dumps(line), flush=True)
+
+
+
+def streamk():
+    """Stream-K TMA configs (STREAM_K = 1) against the same configs without it and torch.matmul, bfloat16:
+    correctness on random shapes, then per shape every base config both ways (bench timer), the best
+    of each paired with torch.matmul."""
+    from tritonmm import bench as tb
+    from tritonmm.kernels import configs as C
+    from tritonmm.testing import error_report
+
+    r = res.setdefault("streamk", {"check": [], "rows": []})
+    dt = torch.bfloat16
+    sk = [c for c in C.candidates("tma") if c["STREAM_K"]]
+    base = [dict(c, STREAM_K=0) for c in sk]
+    g = torch.Generator().manual_seed(1)
+    for i in range(24):
+        M, N, K = (int(x) for x in torch.randint(1, 3000, (3,), generator=g))
+        N, K = N // 8 * 8 + 8, K // 8 * 8 + 8
+        a = torch.randn(M, K, device="cuda", dtype=dt)
+        b = torch.randn(K, N, device="cuda", dtype=dt) if i % 2 else torch.randn(N, K, device="cuda", dtype=dt).T
+        cfg = sk[i % len(sk)]
+        with tritonmm.force_backend("triton", "tma", cfg):
+            out = tritonmm.matmul(a, b)
+            again = tritonmm.matmul(a, b)
+        rep = error_report(out, a, b)
+        line = dict(M=M, N=N, K=K, cfg=i % len(sk), ok=bool(rep["ok"]), repeat=bool(torch.equal(out, again)),
+                    err=rep["tri_err"], bound=rep["bound"])
+        r["check"].append(line)
+        print("streamk check", line, flush=True)
+    for (M, N, K) in ((2304, 1536, 4096), (2304, 1544, 4096), (27648, 128, 4096), (27648, 136, 4096),
+                      (4096, 4096, 4096), (2048, 2048, 2048), (2048, 4096, 4096), (2048, 6144, 4096),
+                      (2048, 4096, 14336), (8192, 4096, 4096), (1000, 1000, 1000), (8192, 8192, 8192)):
+        a = torch.randn(M, K, device="cuda", dtype=dt)
+        b = torch.randn(K, N, device="cuda", dtype=dt)
+        line = dict(M=M, N=N, K=K, times={})
+        best = {}
+        for tag, cfgs in (("dp", base), ("sk", sk)):
+            for j, cfg in enumerate(cfgs):
+                try:
+                    with tritonmm.force_backend("triton", "tma", cfg):
+                        ok = error_report(tritonmm.matmul(a, b), a, b)["ok"]
+                        t = tb._bench_us(lambda: tritonmm.matmul(a, b), rep=15 if M * N * K < 2**36 else 60)
+                except Exception as e:  # noqa: BLE001
+                    line["times"][f"{tag}{j}"] = f"{type(e).__name__}: {str(e)[:100]}"
+                    continue
+                line["times"][f"{tag}{j}"] = round(t, 2) if ok else "WRONG"
+                if ok and t < best.get(tag, (1e9,))[0]:
+                    best[tag] = (t, cfg)
+        for tag, (t, cfg) in best.items():
+            with tritonmm.force_backend("triton", "tma", cfg):
+                t_torch, t_k = tb._bench_pair(lambda: torch.matmul(a, b), lambda: tritonmm.matmul(a, b),
+                                              rep=40 if M * N * K < 2**36 else 150)
+            line[tag] = dict(cfg=cfg, torch_us=round(t_torch, 2), us=round(t_k, 2), ratio=round(t_torch / t_k, 4))
+        r["rows"].append(line)
+        print("streamk", json.dumps(line), flush=True)
+
+
 for step in sys.argv[1:]:
     t = time.time()
     try:
