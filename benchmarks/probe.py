@@ -609,7 +609,8 @@ def aa_raw():
 def streamk():
     """Stream-K TMA configs (STREAM_K = 1) against the same configs without it and torch.matmul, bfloat16:
     correctness on random shapes, then per shape every base config both ways (bench timer), the best
-    of each paired with torch.matmul."""
+    of each paired with torch.matmul. Needs the stream-K kernel of commit b939d84 (removed after this
+    measurement: slower on every shape measured); elsewhere it stops at the first forced config."""
     from tritonmm import bench as tb
     from tritonmm.kernels import configs as C
     from tritonmm.testing import error_report

@@ -122,8 +122,7 @@ def measure_shape(shape: dict, dtype, layout: str, args, gen) -> dict:
                 continue
             if config["BLOCK_M"] > 2 * cfg.bucket(M) or config["BLOCK_N"] > 2 * cfg.bucket(N):
                 continue
-            if kernel == "tma" and not (cfg.split_useful(M, N, K, config, sms)
-                                        and cfg.stream_k_useful(M, N, K, config, sms)):
+            if kernel == "tma" and not cfg.split_useful(M, N, K, config, sms):
                 continue
             entry = {"kernel": kernel, "config": config}
             try:

@@ -57,16 +57,15 @@ def candidates(kernel: str) -> list[dict[str, int]]:
     return [complete(kernel, dict(zip(table["fields"], row))) for row in table["configs"]]
 
 
-OPTIONAL = {"tma": {"SPLIT_K": 1, "STREAM_K": 0}}
-"""Fields a config of a kernel may leave out, with their values (tma configs from before split-K and
-stream-K)."""
+OPTIONAL = {"tma": {"SPLIT_K": 1}}
+"""Fields a config of a kernel may leave out, with their values (tma configs from before split-K)."""
 
 
 def validate(kernel: str, config) -> None:
     """Check that ``config`` is a config of ``kernel``: the fields of its candidates, each an int
     (>= 1; ``EPILOGUE_SUBTILE`` may be 0; the "splitk" kernel's ``SPLIT_K`` >= 2, one split being the
-    pointer kernel; a "tma" config may leave ``SPLIT_K`` out, meaning 1, and ``STREAM_K`` (0 or 1, only
-    with ``SPLIT_K`` = 1), meaning 0). Whether Triton can compile it is another matter.
+    pointer kernel; a "tma" config may leave ``SPLIT_K`` out, meaning 1). Whether Triton can compile
+    it is another matter.
 
     Raises:
         ValueError: unknown kernel, missing or extra fields, or a value of the wrong type or range.
@@ -80,11 +79,9 @@ def validate(kernel: str, config) -> None:
         some = f" ({sorted(optional)} optional)" if optional else ""
         raise ValueError(f"a {kernel} config needs exactly the fields {sorted(fields)}{some}, got {got}")
     for k, v in config.items():
-        low = {"EPILOGUE_SUBTILE": 0, "STREAM_K": 0, "SPLIT_K": 2 if kernel == "splitk" else 1}.get(k, 1)
+        low = {"EPILOGUE_SUBTILE": 0, "SPLIT_K": 2 if kernel == "splitk" else 1}.get(k, 1)
         if type(v) is not int or v < low:
             raise ValueError(f"{kernel} config field {k} must be an int >= {low}, got {v!r}")
-    if config.get("STREAM_K", 0) not in (0, 1) or config.get("STREAM_K", 0) and config.get("SPLIT_K", 1) != 1:
-        raise ValueError(f"{kernel} config field STREAM_K must be 0 or 1, and 1 only with SPLIT_K = 1, got {config}")
 
 
 def complete(kernel: str, config: dict) -> dict[str, int]:
@@ -159,23 +156,6 @@ def split_useful(M: int, N: int, K: int, cfg: dict[str, int], num_sms: int | Non
             and splits_all_busy(K, cfg, "tma"))
 
 
-def stream_k_fits(K: int, cfg: dict[str, int], num_sms: int) -> bool:
-    """Whether the stream-K phase's iteration indices (up to SMs**2 * ceil(K / BLOCK_K)) fit in 32 bits."""
-    return num_sms * num_sms * math.ceil(K / cfg["BLOCK_K"]) < 2**31
-
-
-def stream_k_useful(M: int, N: int, K: int, cfg: dict[str, int], num_sms: int | None) -> bool:
-    """Whether a stream-K TMA config is worth running: the tiles leave the last wave partly empty (wave
-    quantization; more than one tile, or K long enough that sharing a tile's K iterations pays) and
-    the indices fit (:func:`stream_k_fits`); True for configs without stream-K."""
-    if not cfg.get("STREAM_K", 0):
-        return True
-    if num_sms is None or not stream_k_fits(K, cfg, num_sms):
-        return False
-    tiles = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
-    return tiles % num_sms != 0 and tiles * -(-K // cfg["BLOCK_K"]) >= 2 * num_sms
-
-
 @functools.cache
 def device_limits(device_index: int) -> tuple[int, int]:
     """(shared memory per block in bytes, SM count) of a CUDA device, read once."""
@@ -191,8 +171,6 @@ def wave_efficiency(M: int, N: int, cfg: dict[str, int], num_sms: int, batch: in
     tiles_m, tiles_n = -(-M // bm), -(-N // bn)
     tiles = tiles_m * tiles_n * batch * cfg.get("SPLIT_K", 1)
     tile_eff = (M * N) / (tiles_m * bm * tiles_n * bn)
-    if cfg.get("STREAM_K", 0):  # the last wave's work is spread over every SM
-        return tile_eff
     waves = math.ceil(tiles / num_sms)
     wave_eff = tiles / (waves * num_sms)
     return tile_eff * wave_eff
@@ -225,11 +203,11 @@ def prune(
             continue
         if kernel == "splitk" and not splits_all_busy(K, cfg, kernel):
             continue
-        if kernel == "tma" and not (split_useful(M, N, K, cfg, num_sms) and stream_k_useful(M, N, K, cfg, num_sms)):
+        if kernel == "tma" and not split_useful(M, N, K, cfg, num_sms):
             continue
         kept.append(cfg)
     if not kept:
-        fitting = [c for c in cfgs if (kernel == "splitk" or c.get("SPLIT_K", 1) == 1 and not c.get("STREAM_K", 0))
+        fitting = [c for c in cfgs if (kernel == "splitk" or c.get("SPLIT_K", 1) == 1)
                    and (smem_limit is None or smem_bytes(c, itemsize, out_itemsize, kernel) <= smem_limit)]
         kept = [min(fitting or cfgs, key=lambda c: c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"])]
     if num_sms and len(kept) > keep:
@@ -239,11 +217,10 @@ def prune(
 
 
 def split_pool_key(kernel: str, pool: list[dict[str, int]]) -> int:
-    """Which of ``kernel``'s split-K and stream-K candidates a pruned pool holds, as a bitmask over
+    """Which of ``kernel``'s split-K candidates a pruned pool holds, as a bitmask over
     :func:`candidates` (0: none). Part of the TMA kernel's autotune key: shapes of one bucket can
     keep different split configs, and the workspace is sized for the pool."""
-    return sum(1 << i for i, c in enumerate(candidates(kernel))
-               if (c.get("SPLIT_K", 1) > 1 or c.get("STREAM_K", 0)) and c in pool)
+    return sum(1 << i for i, c in enumerate(candidates(kernel)) if c.get("SPLIT_K", 1) > 1 and c in pool)
 
 
 def heuristic(kernel: str, M: int, N: int, K: int, itemsize: int, out_itemsize: int, device) -> dict[str, int]:

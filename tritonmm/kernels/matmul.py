@@ -270,15 +270,14 @@ def _matmul_tma_kernel(
     b_ptr,  # (K, N) row-major, or (N, K) row-major storage when B_TRANS (an nn.Linear weight)
     c_ptr,  # (M, N), unit column stride
     bias_ptr,  # (N,) or a dummy when HAS_BIAS is False
-    p_ptr,  # SPLIT_K > 1: (SPLIT_K, M, N) float32 partials, contiguous; STREAM_K: (2 * NUM_SMS, BLOCK_M,
-    #         BLOCK_N) float32 partial tiles, two per program; else a dummy
-    lock_ptr,  # SPLIT_K > 1 or STREAM_K: int32 arrival counters, one per tile, zero between launches; else a dummy
+    p_ptr,  # SPLIT_K > 1: (SPLIT_K, M, N) float32 partials, contiguous; else a dummy
+    lock_ptr,  # SPLIT_K > 1: int32 arrival counters, one per tile, zero between launches; else a dummy
     M, N, K,
     stride_a, stride_b, stride_cm, stride_bias,  # leading (row) strides in elements
     stride_p,  # elements from one split's partial to the next (M * N; an argument: M or N may be the constant 1)
     M_BUCKET, N_BUCKET, K_BUCKET, SPLIT_POOL,  # autotune key only
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPILOGUE_SUBTILE: tl.constexpr, SPLIT_K: tl.constexpr, STREAM_K: tl.constexpr, NUM_SMS: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr, SPLIT_K: tl.constexpr, NUM_SMS: tl.constexpr,
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -306,12 +305,7 @@ def _matmul_tma_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
 
     if SPLIT_K == 1:
-        # data-parallel: whole tiles, program p taking tiles p, p + NUM_SMS, ...; with STREAM_K only
-        # the whole waves of tiles, the last partial wave going to the stream-K phase below
-        dp_tiles = num_tiles
-        if STREAM_K:
-            dp_tiles = num_tiles - num_tiles % NUM_SMS
-        for tile_id in tl.range(start_pid, dp_tiles, NUM_SMS, flatten=True):
+        for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
             pid_m, pid_n = _group_m_order(tile_id, num_pid_m, num_pid_n, GROUP_M)
             offs_am = pid_m * BLOCK_M
             offs_bn = pid_n * BLOCK_N
@@ -321,59 +315,6 @@ def _matmul_tma_kernel(
                                     A_TRANS, B_TRANS, UPCAST, INPUT_PRECISION)
             _tma_store_c(acc, c_desc, c_ptr, bias_ptr, offs_am, offs_bn, M, N, stride_cm, stride_bias,
                          BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE, C_TMA, HAS_BIAS, ACTIVATION, UPCAST)
-        if STREAM_K:
-            # stream-K (Osama et al., PPoPP 2023; hybrid "data-parallel + one stream-K wave"): the
-            # remaining tiles' BLOCK_K iterations, sk_tiles * k_tiles of them, are cut into equal
-            # contiguous ranges, one per program, so every SM ends at the same time instead of the
-            # partial wave leaving SMs idle (wave quantization). Program p owns iterations
-            # [p * iters // progs, (p + 1) * iters // progs): fewer than k_tiles (sk_tiles < NUM_SMS),
-            # so at most two tiles. A tile's iterations are shared by programs first..last; each
-            # stores its fp32 partial tile in its slot (2p, or 2p + 1 for its second tile), and the
-            # last to arrive (an acq_rel atomic per tile) sums them in program order, which is
-            # K order (deterministic), and applies the epilogue. A tile in one program is stored
-            # directly.
-            sk_tiles = num_tiles - dp_tiles
-            iters = sk_tiles * k_tiles
-            progs = tl.maximum(tl.minimum(iters, NUM_SMS), 1)  # every stream-K program gets >= 1 iteration
-            offs_r = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            it = start_pid * iters // progs
-            end = (start_pid + 1) * iters // progs
-            if start_pid >= progs:
-                end = it
-            for seg in tl.static_range(2):
-                if it < end:
-                    t = it // k_tiles
-                    t_end = t * k_tiles + k_tiles
-                    seg_end = tl.minimum(end, t_end)
-                    pid_m, pid_n = _group_m_order(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
-                    offs_am = pid_m * BLOCK_M
-                    offs_bn = pid_n * BLOCK_N
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for ki in range(it - t * k_tiles, seg_end - t * k_tiles):
-                        acc = _tma_dot_step(a_desc, b_desc, offs_am, offs_bn, ki * BLOCK_K, acc,
-                                            A_TRANS, B_TRANS, UPCAST, INPUT_PRECISION)
-                    # owner of iteration i: the largest q with q * iters // progs <= i
-                    first = ((t * k_tiles + 1) * progs - 1) // iters
-                    last = (t_end * progs - 1) // iters
-                    if first == last:
-                        _tma_store_c(acc, c_desc, c_ptr, bias_ptr, offs_am, offs_bn, M, N, stride_cm, stride_bias,
-                                     BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE, C_TMA, HAS_BIAS, ACTIVATION, UPCAST)
-                    else:
-                        slot = 2 * start_pid + seg
-                        tl.store(p_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_r, acc)
-                        tl.debug_barrier()  # the whole partial is stored before the one atomic (acq_rel)
-                        arrived = tl.atomic_add(lock_ptr + t, 1, sem="acq_rel", scope="gpu")
-                        if arrived == last - first:
-                            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                            for q in range(first, last + 1):  # K order
-                                q_slot = 2 * q + ((q * iters // progs) // k_tiles != t).to(tl.int32)
-                                acc += tl.load(p_ptr + q_slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_r,
-                                               cache_modifier=".cg")
-                            _tma_store_c(acc, c_desc, c_ptr, bias_ptr, offs_am, offs_bn, M, N, stride_cm,
-                                         stride_bias, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE, C_TMA, HAS_BIAS,
-                                         ACTIVATION, UPCAST)
-                            tl.atomic_xchg(lock_ptr + t, 0)  # ready for the next launch on this stream
-                    it = seg_end
     else:
         # split-K: work units are (tile, split) pairs, a tile's splits adjacent so they run side by
         # side; each stores an fp32 partial, and the tile's last split to finish (counted with an
@@ -682,17 +623,10 @@ def tma_launcher(M, N, K, a_trans, stride_a, b_trans, stride_b, dtype, device, b
         dtype, device, bias_stride, activation, config: as in :func:`pointer_launcher`. A config with
             ``SPLIT_K`` >= 2 splits K: (SPLIT_K, M, N) fp32 partials in the workspace (slot
             "splitk"), summed with the epilogue by each tile's last split; without ``SPLIT_K``, 1.
-            ``STREAM_K`` = 1: the last partial wave of tiles is run stream-K (grid = SM count; 2 fp32
-            BLOCK_M x BLOCK_N partial tiles per SM in the same workspace slot); without it, 0.
-
-    Raises:
-        ValueError: a stream-K config whose iteration indices would pass 2**31 (:func:`configs.stream_k_fits`).
         C is a contiguous (M, N) tensor; it is stored through TMA when its rows are 16-byte aligned.
     """
     state = {"config": _fixed_config("tma", config, M, N, K, dtype, device)}
     sms = num_sms(device)
-    if state["config"] is not None and state["config"]["STREAM_K"] and not _cfg.stream_k_fits(K, state["config"], sms):
-        raise ValueError(f"stream-K config {state['config']} would overflow 32-bit iteration indices for K = {K}")
     esize = torch.tensor([], dtype=dtype).element_size()
     pool, split_pool = [], 0
     if state["config"] is None:  # autotuning: the candidates pruning keeps, as @triton.autotune will
@@ -710,29 +644,23 @@ def tma_launcher(M, N, K, a_trans, stride_a, b_trans, stride_b, dtype, device, b
         return triton.cdiv(M, x["BLOCK_M"]) * triton.cdiv(N, x["BLOCK_N"])
 
     def grid(META):
-        if META["STREAM_K"]:  # the stream-K phase divides its iterations among exactly NUM_SMS programs
-            return (sms,)
         return (min(sms, tiles(META) * META["SPLIT_K"]),)
-
-    def partial_floats(x) -> int:
-        if x["SPLIT_K"] > 1:
-            return x["SPLIT_K"] * M * N
-        return 2 * sms * x["BLOCK_M"] * x["BLOCK_N"] if x["STREAM_K"] else 0
 
     def scratch(cfg, device):
         """(partials, counters) for a launch of ``cfg`` (None: autotuning, any config of the pool may run)."""
-        used = [x for x in ([cfg] if cfg is not None else pool) if partial_floats(x)]
-        if not used:
+        split = [x for x in ([cfg] if cfg is not None else pool) if x["SPLIT_K"] > 1]
+        if not split:
             return None, None
-        (partials,) = workspace.buffers(device, [((max(map(partial_floats, used)),), torch.float32)], slot="splitk")
-        return partials, workspace.counters(device, max(map(tiles, used)))
+        (partials,) = workspace.buffers(device, [((max(x["SPLIT_K"] for x in split), M, N), torch.float32)],
+                                        slot="splitk")
+        return partials, workspace.counters(device, max(map(tiles, split)))
 
     def launch(a, b, c, bias):
         _ensure_allocator()
         cfg = state["config"]
         if cfg is None and capturing(c.device):
             cfg = state["config"] = _capture_config("tma", M, N, K, dtype, device)
-        partials, locks = scratch(cfg, c.device) if cfg is None or partial_floats(cfg) else (None, None)
+        partials, locks = scratch(cfg, c.device) if cfg is None or cfg["SPLIT_K"] > 1 else (None, None)
         args = (a, b, c, bias if bias is not None else c, c if partials is None else partials,
                 c if locks is None else locks, *ints)
         if cfg is None:
