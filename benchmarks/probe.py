@@ -525,7 +525,7 @@ def gemv():
 
     r = res.setdefault("gemv", [])
     dt = torch.bfloat16
-    rows = [(N, K) for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))]
+    rows = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
     for layout in ("nn", "nt"):
         for (N, K) in rows:
             w = torch.randn(K, N, device="cuda", dtype=dt) if layout == "nn" else \
