@@ -1,5 +1,6 @@
 """GPU probe for kernel work (issue 4): host overhead per path, decode config sweep, padded cuBLAS on
-unaligned shapes. Prints one line per measurement and writes $OUT/probe.json. Not part of the package.
+unaligned shapes, and the experiments listed in the README (one function per step, named on the command
+line). Prints one line per measurement and writes $OUT/probe.json. Not part of the package.
 
     python benchmarks/probe.py overhead decode padded
 """
@@ -660,6 +661,165 @@ def streamk():
             line[tag] = dict(cfg=cfg, torch_us=round(t_torch, 2), us=round(t_k, 2), ratio=round(t_torch / t_k, 4))
         r["rows"].append(line)
         print("streamk", json.dumps(line), flush=True)
+
+
+# --------------------------------------------------------------------------- 8192^3: clocks, power, clusters
+def _path(a, b):
+    d = tritonmm.explain(a, b)
+    return f"{d.backend}:{d.kernel}"
+
+
+def _smi_window(fn, seconds=3.0, flop=0):
+    """Run ``fn`` back to back for ``seconds`` while nvidia-smi samples the SM clock and power every 100 ms.
+    Returns the achieved TFLOP/s (CUDA events over the loop) and the medians of the samples after the first 0.5 s."""
+    import statistics
+    import subprocess
+    import tempfile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
+    dev = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    reasons = "clocks_event_reasons.active"  # older drivers: clocks_throttle_reasons.active
+    if subprocess.run(["nvidia-smi", "-i", dev, f"--query-gpu={reasons}", "--format=csv"],
+                      capture_output=True).returncode:
+        reasons = "clocks_throttle_reasons.active"
+    q = f"clocks.sm,power.draw,power.limit,temperature.gpu,{reasons}"
+    smi = subprocess.Popen(["nvidia-smi", "-i", dev, f"--query-gpu={q}", "--format=csv,noheader,nounits",
+                            "-lms", "100"], stdout=log, stderr=subprocess.STDOUT)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.time()
+    start.record()
+    n = 0
+    while time.time() - t0 < seconds:
+        for _ in range(4):
+            fn()
+        n += 4
+        torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    smi.terminate()
+    smi.wait()
+    lines = [x.split(", ") for x in open(log.name).read().splitlines() if x.count(",") == 4]
+    lines = lines[5:] or lines
+    med = lambda i: statistics.median(float(x[i]) for x in lines) if lines else None  # noqa: E731
+    us_call = start.elapsed_time(end) * 1e3 / n
+    return dict(us=round(us_call, 1), tflops=round(flop / us_call / 1e6, 1), samples=len(lines),
+                sm_mhz=med(0), power_w=med(1), power_limit_w=med(2), temp_c=med(3),
+                throttle_reasons=sorted({x[4] for x in lines}))
+
+
+def power():
+    """bfloat16 4096^3 and 8192^3, torch.matmul and tritonmm (dispatched: the TMA kernel at 8192^3) back to back
+    for 3 s each: achieved TFLOP/s with the SM clock and power nvidia-smi reads meanwhile, and the dense bf16
+    Tensor Core peak at that clock (989.4 TFLOP/s at 1830 MHz for 132 SMs: 0.5407 TFLOP/s per MHz)."""
+    r = res.setdefault("power", [])
+    for n in (4096, 8192, 8192, 4096):
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        for name, fn in (("torch", lambda: torch.matmul(a, b)), ("tritonmm", lambda: tritonmm.matmul(a, b))):
+            line = dict(M=n, N=n, K=n, who=name, backend=_path(a, b) if name == "tritonmm" else "torch")
+            line.update(_smi_window(fn, flop=2 * n ** 3))
+            if line["sm_mhz"]:
+                line["peak_at_clock_tflops"] = round(0.5407 * line["sm_mhz"], 1)
+                line["share_of_peak_at_clock"] = round(line["tflops"] / line["peak_at_clock_tflops"], 3)
+            r.append(line)
+            print("power", json.dumps(line), flush=True)
+
+
+def clusters():
+    """8192^3 bfloat16 through the plain persistent TMA kernel of the ``ws`` step (128x256x64, 3 stages, 8 warps):
+    num_ctas 1 and 2 (thread block clusters) and GROUP_M 4-32, against torch.matmul (do_bench medians)."""
+    km._ensure_allocator()
+    r = res.setdefault("clusters", [])
+    M = N = K = 8192
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+    ref = torch.matmul(a, b)
+    flop = 2 * M * N * K
+    t_torch = us(lambda: torch.matmul(a, b), rep=300)
+    r.append(dict(who="torch", us=t_torch, tflops=flop / t_torch / 1e6))
+    print(f"clusters cuBLAS {t_torch:.1f} us {flop / t_torch / 1e6:.0f} TFLOP/s", flush=True)
+    for ctas, gm, (bm, bn, bk, st, w) in [(1, 8, (128, 256, 64, 3, 8)), (2, 8, (128, 256, 64, 3, 8)),
+                                          (1, 4, (128, 256, 64, 3, 8)), (1, 16, (128, 256, 64, 3, 8)),
+                                          (1, 32, (128, 256, 64, 3, 8)), (2, 16, (128, 256, 64, 3, 8)),
+                                          (1, 8, (256, 128, 64, 3, 8)), (2, 8, (256, 128, 64, 3, 8))]:
+        c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        grid = (132 // ctas,)  # one persistent program per cluster of num_ctas CTAs
+
+        def run():
+            _ws_kernel[grid](a, b, c, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=grid[0],
+                             WS_OUTER=False, WS_INNER=False, FLATTEN=True, num_stages=st, num_warps=w, num_ctas=ctas)
+        line = dict(who="triton", num_ctas=ctas, GROUP_M=gm, cfg=(bm, bn, bk, st, w))
+        try:
+            run()
+            torch.cuda.synchronize()
+            line["err"] = (c.float() - ref.float()).abs().max().item()
+            t = us(run, rep=300)
+            line.update(us=t, tflops=flop / t / 1e6, ratio=t_torch / t)
+        except Exception as e:  # noqa: BLE001
+            line["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        r.append(line)
+        print("clusters", json.dumps(line), flush=True)
+
+
+def tf32_odd():
+    """float32 with TF32 on 4095^3 and 4097^3: torch.matmul, tritonmm (padded path), and cuBLAS alone on the
+    aligned sizes the padded path uses (K and N rounded up to 64) and on 4096^3, in every operand layout
+    (B read as (K, N) row-major, or as the transpose of an (N, K) matrix): the time the 3x target allows
+    is torch.matmul's / 3."""
+    torch.set_float32_matmul_precision("high")
+    r = res.setdefault("tf32_odd", [])
+    from tritonmm import bench as tb
+    for n in (4095, 4097):
+        a = torch.randn(n, n, device="cuda")
+        b = torch.randn(n, n, device="cuda")
+        t_torch, t_tmm = tb._bench_pair(lambda: torch.matmul(a, b), lambda: tritonmm.matmul(a, b), rep=150)
+        line = dict(n=n, torch_us=round(t_torch, 1), tritonmm_us=round(t_tmm, 1), ratio=round(t_torch / t_tmm, 3),
+                    target_us=round(t_torch / 3, 1), backend=_path(a, b), aligned={})
+        for p in sorted({4096, -(-n // 64) * 64}):
+            ap = torch.randn(n, p, device="cuda")
+            for lay in ("nn", "nt"):
+                bp = torch.randn(p, p, device="cuda") if lay == "nn" else torch.randn(p, p, device="cuda").T
+                line["aligned"][f"{n}x{p}x{p} {lay}"] = round(us(lambda: torch.matmul(ap, bp), rep=150), 1)
+        a2 = torch.empty(n, -(-n // 64) * 64, device="cuda")
+        line["copy_one_operand_us"] = round(us(lambda: a2[:, :n].copy_(a), rep=100), 1)
+        r.append(line)
+        print("tf32_odd", json.dumps(line), flush=True)
+    torch.set_float32_matmul_precision("highest")
+
+
+def ldc():
+    """The padded path's output copy: cuBLAS on the padded copies writing (M, Np) then copied to (M, N), against
+    cuBLAS writing the (M, N) output directly (B's padded copy read as a (Kp, N) view, ldb = Np; ldc = N
+    unaligned), 4095^3 and 4097^3 in every dtype (float32 with TF32); do_bench medians."""
+    torch.set_float32_matmul_precision("high")
+    r = res.setdefault("ldc", [])
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for n in (4095, 4097, 2305):
+            p = -(-n // 64) * 64
+            a = torch.randn(n, n, device="cuda", dtype=dt)
+            b = torch.randn(n, n, device="cuda", dtype=dt)
+            ap = torch.zeros(n, p, device="cuda", dtype=dt)
+            ap[:, :n] = a
+            bp = torch.zeros(p, p, device="cuda", dtype=dt)
+            bp[:n, :n] = b
+            cp = torch.empty(n, p, device="cuda", dtype=dt)
+            c = torch.empty(n, n, device="cuda", dtype=dt)
+            bv = bp[:, :n]
+            torch.mm(ap, bp, out=cp)
+            torch.mm(ap, bv, out=c)
+            line = dict(dtype=str(dt).split(".")[-1], n=n, padded=p, same=bool(torch.equal(c, cp[:, :n])),
+                        maxdiff=(c.float() - cp[:, :n].float()).abs().max().item(),
+                        torch_us=us(lambda: torch.matmul(a, b), rep=100),
+                        tritonmm_us=us(lambda: tritonmm.matmul(a, b), rep=100),
+                        gemm_padded_out_us=us(lambda: torch.mm(ap, bp, out=cp), rep=100),
+                        gemm_direct_out_us=us(lambda: torch.mm(ap, bv, out=c), rep=100),
+                        copy_out_us=us(lambda: c.copy_(cp[:, :n]), rep=100))
+            r.append(line)
+            print("ldc", json.dumps(line), flush=True)
+    torch.set_float32_matmul_precision("highest")
 
 
 for step in sys.argv[1:]:

@@ -100,6 +100,8 @@ def test_untabled_rules_on_hopper(fake_hopper):
     assert (d.backend, d.kernel) == ("torch", "padded") and "padded" in str(d)
     d = decide_cuda(randn(1023, 1023, dtype=bf), randn(1023, 1023, dtype=bf))  # unaligned, too small to pay
     assert (d.backend, d.kernel) == ("torch", None)
+    d = decide_cuda(randn(2047, 2047, dtype=bf), randn(2047, 2047, dtype=bf))  # the copies' host cost: cuBLAS
+    assert (d.backend, d.kernel) == ("torch", None) and 2 * 2047**3 < dispatch.PAD_MIN_FLOPS <= 2 * 2049**3
     d = decide_cuda(randn(200, 201, dtype=bf), randn(201, 200, dtype=bf))  # unaligned but small: cuBLAS
     assert d.backend == "torch" and d.kernel is None
     d = decide_cuda(randn(64, 4097, dtype=bf), randn(4097, 4097, dtype=bf))  # memory-bound: copies cost more
@@ -114,10 +116,10 @@ def test_untabled_rules_on_hopper(fake_hopper):
         torch.set_float32_matmul_precision("high")
         d = decide_cuda(randn(1023, 1023), randn(1023, 1023))
         assert d.backend == "torch" and "float32" in d.reason
-        d = decide_cuda(randn(2047, 2047), randn(2047, 2047))  # TF32 pays for padding as half types do
+        d = decide_cuda(randn(2049, 2049), randn(2049, 2049))  # TF32 pays for padding as half types do
         assert d.kernel == "padded"
         torch.set_float32_matmul_precision("highest")
-        assert decide_cuda(randn(2047, 2047), randn(2047, 2047)).kernel is None  # plain fp32: nothing to gain
+        assert decide_cuda(randn(2049, 2049), randn(2049, 2049)).kernel is None  # plain fp32: nothing to gain
     finally:
         torch.set_float32_matmul_precision(old)
 

@@ -283,6 +283,34 @@ def test_workspace_is_reused_and_bounded():
     assert workspace.held_bytes() == 0
 
 
+def test_workspace_views_are_cached_and_follow_the_buffer():
+    import gc
+    import weakref
+
+    cpu = torch.device("cpu")
+    workspace.release()
+    specs = [((4, 5), torch.float32), ((3,), torch.float16)]
+    first = workspace.buffers(cpu, specs)
+    again = workspace.buffers(cpu, [([4, 5], torch.float32), (torch.Size([3]), torch.float16)])  # same request
+    assert [t is u for t, u in zip(first, again)] == [True, True] and again is not first  # a fresh list
+    again.pop(0)  # callers pop from the list: the cache keeps its own
+    assert [t.shape for t in workspace.buffers(cpu, specs)] == [(4, 5), (3,)]
+    other = workspace.buffers(cpu, [((2, 2), torch.float32)])  # another request: its own views, same memory
+    assert other[0].shape == (2, 2) and other[0].data_ptr() == first[0].data_ptr()
+    old = weakref.ref(first[0])
+    grown = workspace.buffers(cpu, [((1 << 16,), torch.float32)])  # the buffer grows: older views are dropped
+    del first, again, other
+    gc.collect()
+    assert old() is None  # the cache no longer keeps the smaller buffer alive
+    fresh = workspace.buffers(cpu, specs)
+    assert fresh[0].data_ptr() == grown[0].data_ptr() and fresh[0].shape == (4, 5)
+    fresh[0].fill_(1.0)
+    assert grown[0][:20].eq(1.0).all()  # views of the current buffer
+    workspace.release()
+    assert workspace.buffers(cpu, specs)[0] is not fresh[0]  # release forgets the views too
+    workspace.release()
+
+
 def test_workspace_is_per_thread():
     import threading
 

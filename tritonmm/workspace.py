@@ -17,6 +17,7 @@ import torch
 
 WORKSPACE_MAX = 256 << 20  # bytes per (slot, thread, device, stream)
 _ALIGN = 256  # bytes: each view starts at a multiple (TMA wants 16, coalescing likes 128)
+_VIEWS_MAX = 256  # cached view lists per buffer (one per distinct request)
 _local = threading.local()
 
 
@@ -39,14 +40,21 @@ def buffers(device: torch.device, specs, slot: str = "copies") -> list[torch.Ten
 
     Returns:
         list[Tensor]: one tensor per spec, valid until the next ``buffers`` call for the same
-        slot on the same thread, device and stream (use them only within one call).
+        slot on the same thread, device and stream (use them only within one call, and do not
+        resize them: a repeated request gets the same view objects back).
     """
+    key = _stream_key(device)
+    specs = tuple((tuple(shape), dtype) for shape, dtype in specs)
+    if key is not None:  # the views of a repeated request are made once (each slice and view is a host op)
+        key = (slot, *key)
+        made = getattr(_local, "views", {}).get(key, {}).get(specs)
+        if made is not None:
+            return list(made)
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // _ALIGN) * _ALIGN
-    key = _stream_key(device)
     if key is None or total > WORKSPACE_MAX:
         raw = torch.empty(total, dtype=torch.uint8, device=device)
         key = None
@@ -54,12 +62,19 @@ def buffers(device: torch.device, specs, slot: str = "copies") -> list[torch.Ten
         cache = getattr(_local, "buffers", None)
         if cache is None:
             cache = _local.buffers = {}
-        key = (slot, *key)
+            _local.views = {}
         raw = cache.get(key)
         if raw is None or raw.numel() < total:
+            _local.views.pop(key, None)  # views of the smaller buffer would keep it alive
             cache.pop(key, None)  # free the smaller buffer before allocating the larger one
             raw = cache[key] = torch.empty(total, dtype=torch.uint8, device=device)
-    return [raw[o:o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
+    views = [raw[o:o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
+    if key is not None:
+        made = _local.views.setdefault(key, {})
+        if len(made) >= _VIEWS_MAX:
+            made.clear()
+        made[specs] = tuple(views)
+    return views
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
@@ -86,6 +101,7 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
 def release() -> None:
     """Free this thread's workspace buffers and counters (every device and stream)."""
     getattr(_local, "buffers", {}).clear()
+    getattr(_local, "views", {}).clear()
     getattr(_local, "counters", {}).clear()
 
 
