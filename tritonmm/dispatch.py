@@ -43,12 +43,12 @@ _ALIASES = {"cublas": "torch"}
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_FLOPS = 2 * 128**3  # below this a launch from Python costs more than the math (µs scale)
 PAD_MIN_FLOPS = 2 * 2048**3  # auto: unaligned operands go to cuBLAS on padded copies above this
-"""The padded path costs 150-170 µs of host time per call on the H200 machine's host (three copy launches,
-the GEMM, workspace views; torch.matmul about 21 µs), measured before its workspace views were cached
-(which saves about 10 µs a call on a CPU host). cuBLAS's unaligned GEMM takes about that long near 2048³
-(bfloat16 2305³: 230 µs), so from there on the padded path is faster even when the host, not the GPU,
-sets the pace; below it, it is faster on the GPU but can be several times slower end to end in a
-host-bound loop (1025³: 147 µs of host time against about 21 µs for torch.matmul)."""
+"""The padded path cost 147-169 µs of host time per call on the H200 machine's host (three copy launches,
+the GEMM, workspace views; torch.matmul 21-36 µs), measured before its workspace views were cached.
+cuBLAS's unaligned GEMM takes about that long near 2048³ (bfloat16 2305³: 230 µs, about 160 µs at 2048³
+scaled by FLOP), so from there on the padded path is faster even when the host, not the GPU, sets the
+pace; below it, it is expected to be faster on the GPU but can be several times slower end to end in a
+host-bound loop (1025³: 147 µs of host time against 21 µs for torch.matmul)."""
 TMA_COPY_MIN_FLOPS = 2 * 512**3  # forced Triton: unaligned operands are copied for the TMA kernel above this
 PAD_MIN_INTENSITY = 256  # FLOP/byte: below it the GEMM is memory-bound and a copy costs more than it saves
 SMALL_M = 64  # at or below: memory-bound (weight streaming), pointer or split-K kernel
