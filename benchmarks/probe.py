@@ -769,6 +769,7 @@ def tf32_odd():
     aligned sizes the padded path uses (K and N rounded up to 64) and on 4096^3, in every operand layout
     (B read as (K, N) row-major, or as the transpose of an (N, K) matrix): the time the 3x target allows
     is torch.matmul's / 3."""
+    precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     r = res.setdefault("tf32_odd", [])
     from tritonmm import bench as tb
@@ -787,13 +788,14 @@ def tf32_odd():
         line["copy_one_operand_us"] = round(us(lambda: a2[:, :n].copy_(a), rep=100), 1)
         r.append(line)
         print("tf32_odd", json.dumps(line), flush=True)
-    torch.set_float32_matmul_precision("highest")
+    torch.set_float32_matmul_precision(precision)
 
 
 def ldc():
     """The padded path's output copy: cuBLAS on the padded copies writing (M, Np) then copied to (M, N), against
     cuBLAS writing the (M, N) output directly (B's padded copy read as a (Kp, N) view, ldb = Np; ldc = N
     unaligned), 4095^3 and 4097^3 in every dtype (float32 with TF32); do_bench medians."""
+    precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     r = res.setdefault("ldc", [])
     for dt in (torch.bfloat16, torch.float16, torch.float32):
@@ -819,7 +821,7 @@ def ldc():
                         copy_out_us=us(lambda: c.copy_(cp[:, :n]), rep=100))
             r.append(line)
             print("ldc", json.dumps(line), flush=True)
-    torch.set_float32_matmul_precision("highest")
+    torch.set_float32_matmul_precision(precision)
 
 
 for step in sys.argv[1:]:
