@@ -4,6 +4,9 @@
 #   tune    python -m tritonmm.tune --merge (bf16 suite) into configs/tuned/<gpu table>.json, copied to $OUT
 #   tune_m128 python -m tritonmm.tune --merge on the llama8b M = 128 rows (nn and nt, bf16; where split-K TMA
 #           configs apply) into the table, copied to $OUT
+#   tune_decode python -m tritonmm.tune --merge on the llama8b M = 1 and 16 rows (TUNE_LAYOUTS, default nn and nt;
+#           TUNE_DTYPE, default bfloat16), into the table
+#   tune_fp32 python -m tritonmm.tune --merge, float32 (TF32), nn: llama8b M <= 128, odd, wave, tile, square <= 1024
 #   tests   pytest -m gpu
 #   bench   python -m tritonmm.bench (every dtype, as in the README) -> $OUT/h200.json, $OUT/h200.png
 #   inductor python -m tritonmm.bench --compare inductor on BENCH_TAGS (default odd square) -> $OUT/bench_inductor.*
@@ -69,6 +72,22 @@ d['shapes'] = [s for s in d['shapes'] if s['tag'].startswith('llama8b') and s['M
 json.dump(d, open('/tmp/m128.json', 'w'))"
           T "${TUNE_TIMEOUT:-200}" python3 -m tritonmm.tune --shapes /tmp/m128.json --dtype bfloat16 --layout nn nt \
             --merge --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 | tee "$OUT/tune_m128.log"
+          cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/" ;;
+    tune_decode) python3 -c "
+import json; d = json.load(open('configs/shapes.json'))
+d['shapes'] = [s for s in d['shapes'] if s['tag'].startswith('llama8b') and s['M'] in (1, 16)]
+json.dump(d, open('/tmp/decode.json', 'w'))"
+          T "${TUNE_TIMEOUT:-240}" python3 -m tritonmm.tune --shapes /tmp/decode.json --dtype ${TUNE_DTYPE:-bfloat16} --layout ${TUNE_LAYOUTS:-nn nt} --time-limit "${TUNE_LIMIT:-200}" \
+            --merge --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 | tee "$OUT/tune_decode.log"
+          cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/" ;;
+    tune_fp32) python3 -c "
+import json; d = json.load(open('configs/shapes.json'))
+d['shapes'] = [s for s in d['shapes'] if (s['tag'].startswith('llama8b') and s['M'] <= 128)
+               or s['tag'] in ('odd', 'wave', 'tile') or (s['tag'] == 'square' and s['M'] <= 1024)]
+json.dump(d, open('/tmp/fp32.json', 'w'))"
+          T "${TUNE_TIMEOUT:-300}" python3 -m tritonmm.tune --shapes /tmp/fp32.json --dtype float32 --layout nn \
+            --time-limit "${TUNE_LIMIT:-240}" --merge --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 \
+            | tee "$OUT/tune_fp32.log"
           cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/" ;;
     fuzz) T "${FUZZ_TIMEOUT:-240}" python3 -m pytest -m gpu -q --maxfail=5 --durations=10 -p no:cacheprovider \
             tests/test_fuzz.py 2>&1 | tee "$OUT/gpu_fuzz.log" | tail -30 ;;

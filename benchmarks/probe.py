@@ -824,6 +824,51 @@ def ldc():
     torch.set_float32_matmul_precision(precision)
 
 
+def small():
+    """Small problems where the benchmark's times are far above the math (127x257x1023: 13.6 us for
+    67 MFLOP): per path, the device time of each kernel (torch.profiler, L2 flushed before each call as
+    do_bench does) against do_bench's median with and without the flush; bfloat16."""
+    from torch.profiler import ProfilerActivity, profile
+
+    r = res.setdefault("small", [])
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    cfgs = {"splitk": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_stages": 4, "num_warps": 4,
+                       "SPLIT_K": 4},
+            "pointer": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 8, "num_stages": 4, "num_warps": 4}}
+    for (M, N, K) in ((127, 257, 1023), (128, 256, 1024), (1000, 1000, 1000), (512, 512, 512)):
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        for path in ("torch", "splitk", "pointer", "tma"):
+            force = (("torch",) if path == "torch" else
+                     ("triton", path, cfgs[path]) if path in cfgs else ("triton", path))
+            with tritonmm.force_backend(*force):
+                fn = lambda: tritonmm.matmul(a, b)
+                fn()
+                torch.cuda.synchronize()
+                line = dict(M=M, N=N, K=K, path=path, bench_us=us(fn, rep=50))
+                line["noflush_us"] = _events_us(fn)
+                try:
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        fn()
+                    line["graph_noflush_us"] = _events_us(g.replay)
+                except Exception as exc:
+                    line["graph_noflush_us"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(50):
+                        flush.zero_()
+                        fn()
+                    torch.cuda.synchronize()
+                kern = {}
+                for ev in prof.key_averages():
+                    t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+                    if t and "fill" not in ev.key.lower() and "zero" not in ev.key.lower():
+                        kern[ev.key[:70]] = [round(t / 50, 2), ev.count]
+                line["kernels_us_per_call_and_count"] = kern
+            r.append(line)
+            print("small", json.dumps(line), flush=True)
+
+
 for step in sys.argv[1:]:
     t = time.time()
     try:

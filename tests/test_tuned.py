@@ -104,7 +104,10 @@ def test_lookup_gives_decisions(monkeypatch):
     d = tuned.lookup(cuda, torch.bfloat16, p)
     assert (d.backend, d.kernel, d.config) == ("triton", "tma", cfg) and "1.20x" in d.reason
     table[key] = {**table[key], "backend": "torch"}
-    assert tuned.lookup(cuda, torch.bfloat16, p).backend == "torch"
+    d = tuned.lookup(cuda, torch.bfloat16, p)
+    assert d.backend == "torch" and "cuBLAS kept (Triton measured 1.20x" in d.reason  # a gain inside the margin
+    table[key] = {**table[key], "triton_us": 15.0}
+    assert "cuBLAS measured faster (Triton 0.80x)" in tuned.lookup(cuda, torch.bfloat16, p).reason
     assert tuned.lookup(cuda, torch.float16, p).backend == "torch"  # float16 falls back to bfloat16's entry
     assert tuned.lookup(cuda, torch.float32, p) is None  # no float32 entry
     assert tuned.lookup(cuda, torch.bfloat16, plan(randn(3, 5, 5), randn(3, 5, 5))) is None  # batched
@@ -115,3 +118,65 @@ def test_layout_tag_and_key():
     assert tuned.layout_tag(plan(randn(8, 32), w.t())) == "nt"
     assert tuned.layout_tag(plan(randn(32, 8).t(), randn(32, 64))) == "tn"
     assert tuned.entry_key(torch.bfloat16, 100, 64, 32, "nn") == "bfloat16:128:64:32:nn"
+
+
+def test_m_equal_1_has_its_own_key_and_falls_back_to_the_bucket(monkeypatch):
+    """M = 1 (GEMV) is tuned apart from M = 2-16; a table without an M = 1 entry (written before M = 1
+    had its own key) serves it from the M <= 16 bucket; own dtype before sibling at each M key."""
+    assert tuned.entry_key(torch.bfloat16, 1, 64, 32, "nn") == "bfloat16:1:64:32:nn"
+    assert tuned.entry_key(torch.bfloat16, 2, 64, 32, "nn") == "bfloat16:16:64:32:nn"
+    assert tuned.entry_key(torch.bfloat16, 16, 64, 32, "nn") == "bfloat16:16:64:32:nn"
+    assert tuned.lookup_keys(torch.float16, 1, 64, 32, "nt") == [
+        "float16:1:64:32:nt", "bfloat16:1:64:32:nt", "float16:16:64:32:nt", "bfloat16:16:64:32:nt"]
+    assert tuned.lookup_keys(torch.float32, 5, 64, 32, "nn") == ["float32:16:64:32:nn"]
+    cuda = torch.device("cuda", 0)
+    gemv, small = plan(randn(1, 32), randn(32, 64)), plan(randn(16, 32), randn(32, 64))
+    table = {"bfloat16:16:64:32:nn": {"backend": "torch", "kernel": None, "config": None, "torch_us": 1.0}}
+    monkeypatch.setattr(tuned, "_table_for", lambda index: table)
+    assert tuned.entry(cuda, torch.bfloat16, gemv) is table["bfloat16:16:64:32:nn"]
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_stages": 4, "num_warps": 4, "SPLIT_K": 2}
+    table["bfloat16:1:64:32:nn"] = {"backend": "triton", "kernel": "splitk", "config": cfg, "triton_us": 1.0,
+                                    "torch_us": 2.0}
+    assert tuned.lookup(cuda, torch.float16, gemv).kernel == "splitk"  # M = 1 entry, sibling dtype
+    assert tuned.lookup(cuda, torch.bfloat16, small).backend == "torch"  # M = 16 keeps the bucket entry
+    table["float16:16:64:32:nn"] = {"backend": "torch", "kernel": None, "config": None, "torch_us": 1.0}
+    assert tuned.lookup(cuda, torch.float16, gemv).kernel == "splitk"  # M = 1 key before the dtype's bucket
+
+
+def test_choose_needs_the_min_gain_on_every_shape():
+    group = [shape(1, 10.0, [(A, 9.95)]), shape(16, 10.0, [(A, 5.0)])]  # 1.005x and 2x
+    assert choose(group)["backend"] == "triton"
+    assert choose(group, min_gain=1.01)["backend"] == "torch"
+    assert choose([shape(16, 10.0, [(A, 5.0)])], min_gain=1.99)["backend"] == "triton"
+    padded = {"M": 300, "N": 302, "K": 301, "torch_us": 10.0, "configs": [{"kernel": "padded", "config": None, "us": 9.9}]}
+    assert choose([padded])["kernel"] == "padded" and choose([padded], min_gain=1.02)["kernel"] is None
+
+
+def test_redecide_rewrites_entries_from_stored_measurements(tmp_path, capsys):
+    from tritonmm.tune import main
+
+    def record(M, torch_us, us):
+        r = shape(M, torch_us, [(A, us)])
+        return {**r, "dtype": "bfloat16", "layout": "nn", "N": 64, "K": 64,
+                "configs": [{**c, "config": {**c["config"], "BLOCK_K": 64, "GROUP_M": 8, "num_stages": 3,
+                                             "num_warps": 4}} for c in r["configs"][:1]]}
+
+    measured = [record(1, 10.0, 9.0), record(16, 10.0, 9.9), record(100, 10.0, 5.0)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {}, "measurements": measured}))
+    assert main(["--redecide", "--min-gain", "1.05", "--out", str(path)]) == 0
+    entries = json.loads(path.read_text())["entries"]
+    assert {k: e["backend"] for k, e in entries.items()} == {
+        "bfloat16:1:64:64:nn": "triton", "bfloat16:16:64:64:nn": "torch", "bfloat16:128:64:64:nn": "triton"}
+    assert tuned.read_table(path) is not None  # still a valid table
+    assert main(["--redecide", "--min-gain", "2.5", "--out", str(path)]) == 0
+    assert all(e["backend"] == "torch" for e in json.loads(path.read_text())["entries"].values())
+    assert main(["--redecide", "--out", str(tmp_path)]) == 2  # a directory is not a table
+    assert main(["--redecide", "--out", str(tmp_path / "missing.json")]) == 2
+
+
+def test_choose_breaks_ties_by_measurement_order():
+    """do_bench medians step in 32 ns, so two configs can tie: the first measured wins (the one
+    measure_shape pairs against torch.matmul), whatever the hash seed."""
+    assert choose([shape(1, 10.0, [(A, 5.0), (B, 5.0)])])["config"] == A
+    assert choose([shape(1, 10.0, [(B, 5.0), (A, 5.0)])])["config"] == B

@@ -2,19 +2,22 @@
 
     python -m tritonmm.tune --dtype bfloat16 --out configs/tuned/   # the public suite
     python -m tritonmm.tune --tags llama8b --layout nt               # nn.Linear weights
+    python -m tritonmm.tune --redecide --min-gain 1.02 --out configs/tuned/TABLE.json   # no GPU
 
-For each shape (bucketed M, exact N and K, operand layout) and dtype it times torch.matmul and
+For each shape (bucketed M with M = 1 apart, exact N and K, operand layout) and dtype it times torch.matmul and
 every candidate config of each applicable kernel (persistent TMA, pointer, split-K for small M)
 and, where a leading dimension is unaligned, cuBLAS on zero-padded copies ("padded"),
 through the full ``tritonmm.matmul`` call (copies and Python overhead included), checks each
 result against a float64 reference, and records the winner: a Triton kernel and config, or
 cuBLAS when it was faster. The fastest candidate is then timed against torch.matmul once more, in
-alternation (``--pair-rounds`` turns each), and that head-to-head decides the backend: the sweep
+alternation (``--pair-rounds`` turns each), and that head-to-head decides the backend (Triton only
+when at least ``--min-gain`` times faster, default 1.01, and ``--min-gain-us`` µs, default 1): the sweep
 runs for minutes and the GPU's clock drifts as it heats. The table (``configs/tuned/<gpu>-sm<cc>-<sms>sms-triton<v>.json``) is
 used by the dispatcher on a GPU of the same compute capability, SM count and Triton version, so a
-fresh process benchmarks nothing for tabled shapes. Shapes that share a key (e.g. M = 1 and 16)
+fresh process benchmarks nothing for tabled shapes. Shapes that share a key (e.g. M = 2 and 16; M = 1 has its own)
 get the config with the best total normalized time over them. Times in µs (median of
-``triton.testing.do_bench``).
+``triton.testing.do_bench``). float32 is measured with TF32 allowed, as the benchmark measures it;
+the dispatcher uses its entries only where TF32 is allowed (elsewhere float32 goes to cuBLAS).
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ def parse_args(argv=None):
                    help="output file, or a directory for the default name (default: configs/tuned/)")
     p.add_argument("--merge", action="store_true", help="keep entries of an existing table that this run does not measure")
     p.add_argument("--time-limit", type=float, default=None, help="stop measuring new shapes after this many seconds")
+    p.add_argument("--min-gain", type=float, default=1.01,
+                   help="a Triton kernel (or the padded path) wins a key only when torch.matmul time / its time is at "
+                        "least this on every shape of the key (default %(default)s: a gain inside the timing's "
+                        "noise is not worth a different code path)")
+    p.add_argument("--min-gain-us", type=float, default=1.0,
+                   help="and only when it saves at least this many µs per call on every shape of the key (default "
+                        "%(default)s: identical cuBLAS calls read up to about 0.6 µs apart between processes on the "
+                        "H200, so smaller savings on short GEMMs are not reproducible)")
+    p.add_argument("--redecide", action="store_true",
+                   help="measure nothing: re-decide the entries of the table at --out from the measurements stored "
+                        "in it (e.g. with another --min-gain); needs no GPU")
     return p.parse_args(argv)
 
 
@@ -156,8 +170,10 @@ def merge_measurements(old: list[dict], new: list[dict]) -> list[dict]:
     return [r for r in old if ident(r) not in again] + new
 
 
-def choose(group: list[dict]) -> dict:
-    """One entry for shapes sharing a key: the (kernel, config) with the least total normalized time."""
+def choose(group: list[dict], min_gain: float = 1.0, min_gain_us: float = 0.0) -> dict:
+    """One entry for shapes sharing a key: the (kernel, config) with the least total normalized time;
+    backend "triton" (or the padded path) only where torch.matmul time / its time >= ``min_gain`` and
+    torch.matmul time - its time >= ``min_gain_us`` (µs) on every shape of the group."""
     def ident(c):
         return c["kernel"], json.dumps(c["config"], sort_keys=True)
 
@@ -168,13 +184,16 @@ def choose(group: list[dict]) -> dict:
     if not common or len(best) < len(group):
         return {"backend": "torch", "kernel": None, "config": None, "triton_us": None,
                 "torch_us": max(r["torch_us"] for r in group), "note": "no Triton config ran on every shape"}
-    pick = min(common, key=lambda k: sum(t[k] / best[i] for i, t in enumerate(timed)))
+    # candidates in measurement order, so a tie goes to the first measured, as in measure_shape's pairing
+    # (do_bench medians step in 32 ns, so ties happen; a set's order would change with the hash seed)
+    order = [k for k in dict.fromkeys(ident(c) for r in group for c in r["configs"] if "us" in c) if k in common]
+    pick = min(order, key=lambda k: sum(t[k] / best[i] for i, t in enumerate(timed)))
     # per shape: the alternating head-to-head where it timed the pick, else the sweep's own times
     both = [(p["us"], p["torch_us"]) if p and ident(p) == pick else (t[pick], r["torch_us"])
             for p, t, r in zip(paired, timed, group)]
     tri = [x for x, _ in both]
     tor = [y for _, y in both]
-    wins = all(x < y for x, y in zip(tri, tor))
+    wins = all(y >= min_gain * x and y - x >= min_gain_us and x < y for x, y in zip(tri, tor))
     if pick[0] == "padded":  # cuBLAS on padded copies: a torch entry that names the padded path when it wins
         return {"backend": "torch", "kernel": "padded" if wins else None, "config": None,
                 "triton_us": max(tri), "torch_us": max(tor),
@@ -184,14 +203,51 @@ def choose(group: list[dict]) -> dict:
             "shapes": [[r["M"], r["N"], r["K"], round(y / x, 3)] for r, x, y in zip(group, tri, tor)]}
 
 
+def decide_entries(measured: list[dict], min_gain: float, min_gain_us: float) -> dict:
+    """Table entries from measurements: grouped by table key (:func:`tuned.entry_key`), one :func:`choose` each."""
+    from . import tuned
+
+    groups: dict[str, list] = {}
+    for r in measured:
+        key = tuned.entry_key(DTYPES[r["dtype"]], r["M"], r["N"], r["K"], r.get("layout", "nn"))
+        groups.setdefault(key, []).append(r)
+    return {key: choose(group, min_gain, min_gain_us) for key, group in groups.items()}
+
+
+def redecide(path: pathlib.Path, min_gain: float, min_gain_us: float) -> int:
+    """Rewrite the entries of the table at ``path`` from its stored measurements (no GPU needed)."""
+    from . import tuned
+
+    table = tuned.read_table(path) if path.is_file() else None
+    if not table or not table.get("measurements"):
+        print(f"{path}: no readable table with stored measurements", file=sys.stderr)
+        return 2
+    entries = decide_entries(table["measurements"], min_gain, min_gain_us)
+    changed = sorted(k for k in entries if table["entries"].get(k, {}).get("backend") != entries[k]["backend"]
+                     or table["entries"].get(k, {}).get("kernel") != entries[k]["kernel"])
+    table["entries"] = {**table["entries"], **entries}
+    table["min_gain"], table["min_gain_us"] = min_gain, min_gain_us
+    tuned.atomic_write_text(path, json.dumps(table, indent=1))
+    print(f"re-decided {len(entries)} entries of {path} with --min-gain {min_gain} --min-gain-us {min_gain_us}; "
+          f"changed: {', '.join(changed) or 'none'}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.redecide:
+        if args.out is None or args.out.suffix != ".json":
+            print("--redecide needs --out TABLE.json", file=sys.stderr)
+            return 2
+        return redecide(args.out, args.min_gain, args.min_gain_us)
     if not torch.cuda.is_available():
         print("python -m tritonmm.tune measures kernels on a CUDA GPU; none is available here.", file=sys.stderr)
         return 2
     from . import tuned
 
     shapes, _ = load_suite(args.shapes or default_suite(), args.tags)
+    if "float32" in args.dtype:  # as in the benchmark: float32 rows are TF32 rows (the dispatcher sends
+        torch.backends.cuda.matmul.allow_tf32 = True  # float32 to cuBLAS whenever TF32 is off)
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
@@ -212,11 +268,7 @@ def main(argv=None) -> int:
               f"{r['torch_us'] / best['us'] if best else float('nan'):5.2f}  failed {len(failed)}", flush=True)
         torch.cuda.empty_cache()
 
-    groups: dict[str, list] = {}
-    for r in measured:
-        key = tuned.entry_key(DTYPES[r["dtype"]], r["M"], r["N"], r["K"], r["layout"])
-        groups.setdefault(key, []).append(r)
-    entries = {key: choose(group) for key, group in groups.items()}
+    entries = decide_entries(measured, args.min_gain, args.min_gain_us)
     sig = tuned.device_signature(device)
     name = torch.cuda.get_device_name(device)
     out = args.out or tuned.tuned_dir()
@@ -228,7 +280,8 @@ def main(argv=None) -> int:
             measured = merge_measurements(old.get("measurements", []), measured)
     table = {"format": tuned.FORMAT, "device": name, **sig, "torch": torch.__version__,
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             "rep_ms": args.rep, "entries": entries, "measurements": measured}
+             "rep_ms": args.rep, "min_gain": args.min_gain,
+             "min_gain_us": args.min_gain_us, "entries": entries, "measurements": measured}
     path.parent.mkdir(parents=True, exist_ok=True)
     tuned.atomic_write_text(path, json.dumps(table, indent=1))  # readers never see half a table
     wins = sum(e["backend"] == "triton" for e in entries.values())

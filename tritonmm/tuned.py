@@ -2,10 +2,12 @@
 
 A table belongs to one GPU kind and one Triton release: it records the compute
 capability, the SM count and the Triton version it was measured with, and is used
-only where all three match. Each entry names, for a dtype, a bucketed M, an exact N
-and K and the operand layouts, the fastest backend measured (a Triton kernel and its
-config, cuBLAS on zero-padded aligned copies (backend "torch", kernel "padded"), or
-torch.matmul/cuBLAS) and both times in µs (``triton_us``: the entry's kernel). A table that cannot be read or
+only where all three match. Each entry names, for a dtype, a bucketed M (M = 1 has its own
+key, :func:`m_key`), an exact N and K and the operand layouts: the backend chosen (a Triton kernel
+and its config, cuBLAS on zero-padded aligned copies (backend "torch", kernel "padded"), or
+torch.matmul/cuBLAS), which is the fastest measured except that a Triton kernel or the padded path
+must beat cuBLAS by the tuner's ``--min-gain`` and ``--min-gain-us``, and both times in µs
+(``triton_us``: the entry's kernel). A table that cannot be read or
 parsed is skipped with one warning.
 """
 
@@ -32,10 +34,28 @@ def layout_tag(plan: Plan) -> str:
     return ("n" if a.stride(3) == 1 else "t") + ("n" if b.stride(3) == 1 else "t")
 
 
-def entry_key(dtype: torch.dtype, M: int, N: int, K: int, layout: str) -> str:
+def m_key(M: int) -> int:
+    """The M part of a table key: 1 for M = 1 (a GEMV, where cuBLAS and the Triton kernels rank
+    differently than at M = 16: H200, llama8b o row, split-K 0.98x cuBLAS at M = 1 and 1.02x at 16),
+    else the autotune bucket (:func:`configs.bucket`)."""
     from .kernels.configs import bucket
 
-    return f"{str(dtype).removeprefix('torch.')}:{bucket(M)}:{N}:{K}:{layout}"
+    return 1 if M == 1 else bucket(M)
+
+
+def entry_key(dtype: torch.dtype, M: int, N: int, K: int, layout: str) -> str:
+    return f"{str(dtype).removeprefix('torch.')}:{m_key(M)}:{N}:{K}:{layout}"
+
+
+def lookup_keys(dtype: torch.dtype, M: int, N: int, K: int, layout: str) -> list[str]:
+    """Keys tried for a problem, in order: its own M key, then (M = 1) the bucket M = 1 shared with
+    2-16 in tables written before M = 1 had its own key; each in ``dtype``, then in its sibling
+    (float16 and bfloat16 run the same kernels at the same speed)."""
+    from .kernels.configs import bucket
+
+    ms = [m_key(M)] + ([bucket(M)] if bucket(M) != m_key(M) else [])
+    dtypes = [dtype] + ([_SIBLING[dtype]] if dtype in _SIBLING else [])
+    return [f"{str(d).removeprefix('torch.')}:{m}:{N}:{K}:{layout}" for m in ms for d in dtypes]
 
 
 def device_signature(device: torch.device) -> dict:
@@ -123,18 +143,19 @@ def _table_for(index: int) -> dict:
 
 
 def entry(device: torch.device, dtype: torch.dtype, plan: Plan) -> dict | None:
-    """This GPU's table entry for the problem (float16 and bfloat16 stand in for each other), or None.
+    """This GPU's table entry for the problem (keys in :func:`lookup_keys` order: float16 and bfloat16
+    stand in for each other, M = 1 falls back to the M <= 16 bucket), or None.
     Its ``kernel`` and ``config`` name the fastest Triton candidate measured even where cuBLAS won."""
     if plan.batch != 1:
         return None
     entries = _table_for(device.index if device.index is not None else torch.cuda.current_device())
     if not entries:
         return None
-    layout = layout_tag(plan)
-    e = entries.get(entry_key(dtype, plan.M, plan.N, plan.K, layout))
-    if e is None and dtype in _SIBLING:  # float16 and bfloat16 run the same kernels at the same speed
-        e = entries.get(entry_key(_SIBLING[dtype], plan.M, plan.N, plan.K, layout))
-    return e
+    for key in lookup_keys(dtype, plan.M, plan.N, plan.K, layout_tag(plan)):
+        e = entries.get(key)
+        if e is not None:
+            return e
+    return None
 
 
 def lookup(device: torch.device, dtype: torch.dtype, plan: Plan):
@@ -153,6 +174,9 @@ def lookup(device: torch.device, dtype: torch.dtype, plan: Plan):
                 return Decision("torch", "padded", f"tuned table: cuBLAS on zero-padded aligned copies measured "
                                                    f"{ratio:.2f}x torch.matmul")
             return Decision("torch", None, "tuned table: cuBLAS (operands already aligned)")
+        if ratio >= 1.0:  # Triton measured faster, by less than the tuner's --min-gain/--min-gain-us
+            return Decision("torch", None, f"tuned table: cuBLAS kept (Triton measured {ratio:.2f}x, inside the "
+                                           f"tuner's margin)")
         return Decision("torch", None, f"tuned table: cuBLAS measured faster (Triton {ratio:.2f}x)")
     copies = tma_copies(plan) if e["kernel"] == "tma" else ()
     return Decision("triton", e["kernel"], f"tuned table: measured {ratio:.2f}x cuBLAS", config=e["config"], copies=copies)
