@@ -20,6 +20,18 @@ set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 T() { local s=$1; shift; timeout "$s" "$@"; echo "[exit $? after step: $*]"; }
+TABLE=configs/tuned/h200-sm90-132sms-triton3.6.0.json
+# tune_subset NAME TIMEOUT FILTER TUNE-ARGS...: python -m tritonmm.tune --merge into $TABLE on the suite
+# shapes s for which the Python expression FILTER holds; log $OUT/tune_NAME.log, table copied to $OUT
+tune_subset() {
+  local name=$1 limit=$2 filter=$3; shift 3
+  python3 -c "
+import json; d = json.load(open('configs/shapes.json'))
+d['shapes'] = [s for s in d['shapes'] if $filter]
+json.dump(d, open('/tmp/$name.json', 'w'))"
+  T "$limit" python3 -m tritonmm.tune --shapes "/tmp/$name.json" "$@" --merge --out "$TABLE" 2>&1 | tee "$OUT/tune_$name.log"
+  cp "$TABLE" "$OUT/"
+}
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case "$step" in
@@ -64,31 +76,15 @@ PY
             --merge --out configs/tuned/ 2>&1 | tee "$OUT/tune.log"
           cp configs/tuned/*.json "$OUT/" ;;
     tune_nt) T 150 python3 -m tritonmm.tune --dtype bfloat16 --tags llama8b --layout nt --time-limit "${TUNE_NT_LIMIT:-110}" --merge \
-               --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 | tee "$OUT/tune_nt.log" | tail -3
-             cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/tuned_merged.json" ;;
-    tune_m128) python3 -c "
-import json; d = json.load(open('configs/shapes.json'))
-d['shapes'] = [s for s in d['shapes'] if s['tag'].startswith('llama8b') and s['M'] == 128]
-json.dump(d, open('/tmp/m128.json', 'w'))"
-          T "${TUNE_TIMEOUT:-200}" python3 -m tritonmm.tune --shapes /tmp/m128.json --dtype bfloat16 --layout nn nt \
-            --merge --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 | tee "$OUT/tune_m128.log"
-          cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/" ;;
-    tune_decode) python3 -c "
-import json; d = json.load(open('configs/shapes.json'))
-d['shapes'] = [s for s in d['shapes'] if s['tag'].startswith('llama8b') and s['M'] in (1, 16)]
-json.dump(d, open('/tmp/decode.json', 'w'))"
-          T "${TUNE_TIMEOUT:-240}" python3 -m tritonmm.tune --shapes /tmp/decode.json --dtype ${TUNE_DTYPE:-bfloat16} --layout ${TUNE_LAYOUTS:-nn nt} --time-limit "${TUNE_LIMIT:-200}" \
-            --merge --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 | tee "$OUT/tune_decode.log"
-          cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/" ;;
-    tune_fp32) python3 -c "
-import json; d = json.load(open('configs/shapes.json'))
-d['shapes'] = [s for s in d['shapes'] if (s['tag'].startswith('llama8b') and s['M'] <= 128)
-               or s['tag'] in ('odd', 'wave', 'tile') or (s['tag'] == 'square' and s['M'] <= 1024)]
-json.dump(d, open('/tmp/fp32.json', 'w'))"
-          T "${TUNE_TIMEOUT:-300}" python3 -m tritonmm.tune --shapes /tmp/fp32.json --dtype float32 --layout nn \
-            --time-limit "${TUNE_LIMIT:-240}" --merge --out configs/tuned/h200-sm90-132sms-triton3.6.0.json 2>&1 \
-            | tee "$OUT/tune_fp32.log"
-          cp configs/tuned/h200-sm90-132sms-triton3.6.0.json "$OUT/" ;;
+               --out "$TABLE" 2>&1 | tee "$OUT/tune_nt.log" | tail -3
+             cp "$TABLE" "$OUT/tuned_merged.json" ;;
+    tune_m128) tune_subset m128 "${TUNE_TIMEOUT:-200}" "s['tag'].startswith('llama8b') and s['M'] == 128" \
+                 --dtype bfloat16 --layout nn nt ;;
+    tune_decode) tune_subset decode "${TUNE_TIMEOUT:-240}" "s['tag'].startswith('llama8b') and s['M'] in (1, 16)" \
+                   --dtype ${TUNE_DTYPE:-bfloat16} --layout ${TUNE_LAYOUTS:-nn nt} --time-limit "${TUNE_LIMIT:-200}" ;;
+    tune_fp32) tune_subset fp32 "${TUNE_TIMEOUT:-300}" "(s['tag'].startswith('llama8b') and s['M'] <= 128)
+                 or s['tag'] in ('odd', 'wave', 'tile') or (s['tag'] == 'square' and s['M'] <= 1024)" \
+                 --dtype float32 --layout nn --time-limit "${TUNE_LIMIT:-240}" ;;
     fuzz) T "${FUZZ_TIMEOUT:-240}" python3 -m pytest -m gpu -q --maxfail=5 --durations=10 -p no:cacheprovider \
             tests/test_fuzz.py 2>&1 | tee "$OUT/gpu_fuzz.log" | tail -30 ;;
     tests) T "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \

@@ -43,8 +43,12 @@ def m_key(M: int) -> int:
     return 1 if M == 1 else bucket(M)
 
 
+def _key(dtype: torch.dtype, m: int, N: int, K: int, layout: str) -> str:
+    return f"{str(dtype).removeprefix('torch.')}:{m}:{N}:{K}:{layout}"
+
+
 def entry_key(dtype: torch.dtype, M: int, N: int, K: int, layout: str) -> str:
-    return f"{str(dtype).removeprefix('torch.')}:{m_key(M)}:{N}:{K}:{layout}"
+    return _key(dtype, m_key(M), N, K, layout)
 
 
 def lookup_keys(dtype: torch.dtype, M: int, N: int, K: int, layout: str) -> list[str]:
@@ -55,7 +59,7 @@ def lookup_keys(dtype: torch.dtype, M: int, N: int, K: int, layout: str) -> list
 
     ms = [m_key(M)] + ([bucket(M)] if bucket(M) != m_key(M) else [])
     dtypes = [dtype] + ([_SIBLING[dtype]] if dtype in _SIBLING else [])
-    return [f"{str(d).removeprefix('torch.')}:{m}:{N}:{K}:{layout}" for m in ms for d in dtypes]
+    return [_key(d, m, N, K, layout) for m in ms for d in dtypes]
 
 
 def device_signature(device: torch.device) -> dict:
