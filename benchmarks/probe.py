@@ -869,6 +869,52 @@ def small():
             print("small", json.dumps(line), flush=True)
 
 
+
+def small_sweep():
+    """Small problems (127x257x1023, 512^3, 1000^3; bfloat16): ``python -m tritonmm.tune`` over a grid of
+    configs wider than configs/candidates.json (split-K up to 8 on the odd shape; 64-wide tiles and TMA
+    split-K configs past SPLIT_MAX_M on the squares), to see whether any beats cuBLAS by the table's margin.
+    The tuner's own records (each config's do_bench median, the fastest one paired with torch.matmul)."""
+    import tempfile
+
+    from tritonmm import tune
+    from tritonmm.kernels import configs as C
+
+    base = json.loads((C.config_dir() / "candidates.json").read_text())
+    splitk = [[bm, bn, bk, 1, 2, 4, s] for bm in (16, 32, 64) for bn in (32, 64, 128) for bk in (64, 128)
+              for s in (2, 4, 8)]
+    pointer = ([[bm, bn, bk, 8, 2, 4] for bm in (16, 32, 64) for bn in (32, 64) for bk in (64, 128)]
+               + [[32, 64, 64, 8, 4, 4], [64, 32, 64, 8, 4, 4], [32, 32, 64, 8, 4, 4], [64, 64, 64, 8, 3, 4],
+                  [64, 64, 128, 8, 3, 4], [32, 64, 128, 8, 3, 4], [64, 64, 32, 8, 4, 4], [128, 64, 64, 8, 3, 4]])
+    tma = [[64, 64, 64, 8, 4, 4, 0, 1], [64, 64, 64, 8, 4, 4, 0, 2], [64, 128, 64, 8, 4, 4, 0, 2],
+           [128, 64, 64, 8, 4, 4, 0, 2], [128, 128, 64, 8, 4, 8, 0, 2], [64, 128, 128, 8, 3, 4, 0, 1],
+           [128, 128, 64, 8, 4, 8, 0, 1], [64, 128, 64, 8, 4, 4, 0, 1], [64, 128, 64, 8, 5, 4, 0, 1],
+           [128, 64, 64, 8, 4, 4, 0, 1], [64, 256, 64, 8, 3, 8, 0, 1], [128, 256, 64, 8, 3, 8, 1, 1],
+           [64, 64, 128, 8, 3, 4, 0, 2], [64, 128, 32, 8, 6, 4, 0, 1], [64, 64, 64, 8, 4, 4, 0, 4],
+           [64, 128, 64, 8, 4, 4, 0, 4]]
+    cand = {**base, "splitk": {**base["splitk"], "configs": splitk}, "pointer": {**base["pointer"], "configs": pointer},
+            "tma": {**base["tma"], "configs": tma}}
+    d = tempfile.mkdtemp()
+    json.dump(cand, open(os.path.join(d, "candidates.json"), "w"))
+    os.environ["TRITONMM_CONFIG_DIR"] = d
+    C._candidates_file.cache_clear()
+    C.SPLIT_MAX_M = 1 << 30  # let the TMA split-K configs run on the squares too
+    r = res.setdefault("small_sweep", [])
+    for (M, N, K), kernels in (((127, 257, 1023), ["splitk", "pointer"]), ((1000, 1000, 1000), ["tma"]),
+                               ((512, 512, 512), ["pointer", "tma"])):
+        shapes = os.path.join(d, f"s{M}.json")
+        json.dump({"shapes": [{"tag": "small", "M": M, "N": N, "K": K}]}, open(shapes, "w"))
+        table = os.path.join(d, f"t{M}.json")
+        tune.main(["--shapes", shapes, "--dtype", "bfloat16", "--kernels", *kernels, "--out", table])
+        m = json.load(open(table))["measurements"][0]
+        timed = sorted((c for c in m["configs"] if "us" in c), key=lambda c: c["us"])
+        line = dict(M=M, N=N, K=K, kernels=kernels, torch_us=m["torch_us"], paired=m.get("paired"),
+                    measured=len(m["configs"]), failed=[c for c in m["configs"] if "failed" in c][:5],
+                    fastest=[[c["kernel"], c["config"], round(c["us"], 2)] for c in timed[:8]])
+        r.append(line)
+        print("small_sweep", json.dumps(line), flush=True)
+
+
 for step in sys.argv[1:]:
     t = time.time()
     try:
