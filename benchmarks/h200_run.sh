@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Steps run on the lent H200 (device tool): bash benchmarks/h200_run.sh STEP... ; results under $OUT.
 #   smoke   one call per kernel path, errors printed
+#   overhead host cost per call on 16x64x64 bfloat16 (calls per second): torch.matmul, tritonmm.matmul, the op,
+#           each forced kernel; a cProfile of the forced TMA path (printed only)
 #   tune    python -m tritonmm.tune --merge (bf16 suite) into configs/tuned/<gpu table>.json, copied to $OUT
 #   tune_m128 python -m tritonmm.tune --merge on the llama8b M = 128 rows (nn and nt, bf16; where split-K TMA
 #           configs apply) into the table, copied to $OUT

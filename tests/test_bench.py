@@ -73,6 +73,19 @@ def test_cpu_check_runs_every_kernel_path(capsys):
     assert out.count("padded") == 6 and out.count("tma-splitk") == 6
 
 
+def test_main_without_gpu_names_the_flags_it_ignores(monkeypatch, capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("without a GPU only")
+    monkeypatch.setattr(bench, "cpu_check", lambda: 0)
+    assert bench.main(["--dtype", "float32", "--json", str(tmp_path / "r.json")]) == 0
+    err = capsys.readouterr().err
+    assert "--dtype, --json ignored" in err and not (tmp_path / "r.json").exists()
+    assert bench.main([]) == 0
+    assert "ignored" not in capsys.readouterr().err
+
+
 @pytest.mark.gpu
 def test_gpu_run_writes_json_and_csv_without_plot(tmp_path):
     suite = tmp_path / "suite.json"

@@ -64,6 +64,24 @@ def test_fused_activation_values(activation, dtype, kernel):
     )
 
 
+@pytest.mark.parametrize("kernel", ["tma", "pointer", "splitk"])
+def test_gelu_tanh_epilogue_on_large_values_warns_of_nothing(kernel):
+    # |x| ~ 30 puts tanh's argument far past fp32's exp range; the epilogue must neither overflow (under
+    # the interpreter NumPy warns, and with warnings as errors the kernel failed and fell back) nor
+    # lose saturation, and NaN still propagates
+    import warnings
+
+    x, w, b = randn(37, 29) * 30, randn(23, 29), randn(23)
+    x[0, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with tritonmm.force_backend("triton", kernel):
+            out = tritonmm.linear(x, w, b, "gelu_tanh")
+    assert torch.isnan(out[0]).all() and not torch.isnan(out[1:]).any()
+    ref = F.gelu(F.linear(x[1:].double(), w.double(), b.double()), approximate="tanh")
+    torch.testing.assert_close(out[1:].double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 def test_epilogue_is_fused(monkeypatch):
     """One kernel launch; no separate bias or activation pass over the output."""
     from tritonmm import activations, engine

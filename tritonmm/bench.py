@@ -561,6 +561,11 @@ def main(argv=None) -> int:
     if args.from_json:
         return from_json(args)
     if not torch.cuda.is_available():
+        defaults = vars(parse_args([]))
+        ignored = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v != defaults[k]]
+        if ignored:
+            print(f"No CUDA GPU: {', '.join(ignored)} ignored (they shape a GPU measurement; without a GPU the "
+                  "benchmark runs only the interpreter check below).", file=sys.stderr)
         return cpu_check()
     try:
         from tqdm import tqdm

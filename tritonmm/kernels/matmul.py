@@ -77,6 +77,9 @@ def _activation(x, ACTIVATION: tl.constexpr):
         x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     elif ACTIVATION == "gelu_tanh":
         inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        # tanh(inner) = 2 sigmoid(2 inner) - 1 is exactly +-1 in fp32 past |inner| = 20; clamping there
+        # changes no result and keeps exp(-2 inner) finite (the interpreter's NumPy warned of overflow)
+        inner = tl.minimum(tl.maximum(inner, -20.0), 20.0)
         x = 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
     elif ACTIVATION == "silu":
         x = x * tl.sigmoid(x)
