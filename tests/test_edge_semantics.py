@@ -29,6 +29,63 @@ def test_neg_bit_views_are_read_with_their_sign(kernel):
         torch.testing.assert_close(tritonmm.linear(x, b.t(), bias), F.linear(x, b.t(), bias))
 
 
+# three batch levels that cannot merge: the plan copies the operands for the kernels, and cuBLAS (the
+# default for batched problems on a GPU) once got those flattened copies and returned (1, B, M, N)
+THREE_LEVELS = [((3, 2, 6, 5), (2, 3, 1, 5, 7)), ((3, 2, 4, 6, 5), (3, 1, 4, 5, 7))]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("sa,sb", THREE_LEVELS, ids=str)
+def test_three_batch_levels_keep_torchs_shape(sa, sb, backend):
+    a, b = randn(*sa).requires_grad_(), randn(*sb).requires_grad_()
+    with tritonmm.force_backend(backend):
+        out = tritonmm.matmul(a, b)
+        ref = torch.matmul(a, b)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        g = randn(*ref.shape)
+        ga, gb = torch.autograd.grad(out, (a, b), g)
+        ra, rb = torch.autograd.grad(ref, (a, b), g)
+    torch.testing.assert_close(ga, ra, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gb, rb, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_linear_on_permuted_batch_keeps_torchs_shape(backend):
+    x = randn(4, 3, 2, 6, 5).permute(2, 1, 0, 3, 4)  # three batch levels that cannot merge
+    w, bias = randn(7, 5), randn(7)
+    with tritonmm.force_backend(backend):
+        out = tritonmm.linear(x, w, bias)
+        with tritonmm.patch_linear():
+            lin = nn.Linear(5, 7).to(x.device)
+            mod = lin(x)
+    torch.testing.assert_close(out, F.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mod, F.linear(x, lin.weight, lin.bias), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["neg", "zero", "sparse"])
+def test_explain_names_torch_for_tensors_the_kernels_do_not_read(kind):
+    b = randn(36, 40)
+    a = {"neg": lambda: torch.randn(40, 36, dtype=torch.complex64, device=b.device).conj().imag,
+         "zero": lambda: torch._efficientzerotensor((40, 36), device=b.device),
+         "sparse": lambda: randn(40, 36).to_sparse()}[kind]()
+    with tritonmm.force_backend("triton"):
+        d = tritonmm.explain(a, b)
+        torch.testing.assert_close(tritonmm.matmul(a, b), torch.matmul(a, b))
+    assert (d.backend, d.kernel) == ("torch", None), str(d)
+
+
+def test_explain_under_autocast_describes_the_cast_operands():
+    a, b = randn(70, 36), randn(36, 36)  # bfloat16 rows of 36 elements: 72 bytes, not 16-byte aligned
+    device = a.device.type
+    with tritonmm.force_backend("triton", "tma"):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            d = tritonmm.explain(a, b)
+        cast = tritonmm.explain(a.to(torch.bfloat16), b.to(torch.bfloat16))
+        plain = tritonmm.explain(a, b)
+    assert d == cast and d.copies == ("a", "b") and plain.copies == (), (str(d), str(plain))
+
+
 def test_zero_tensor_operand():
     z = torch._efficientzerotensor((5, 7))
     b = randn(7, 4)

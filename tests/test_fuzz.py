@@ -46,7 +46,8 @@ def make_operand(rows: int, cols: int, layout: str, dtype, device, batch=()):
 @st.composite
 def problems(draw, max_dim, max_batch, max_k=None):
     M, N, K = draw(dims(max_dim)), draw(dims(max_dim)), draw(dims(max_k or max_dim))
-    kind = draw(st.sampled_from(["2d", "2d", "2d", "vec-mat", "mat-vec", "dot", "batched", "broadcast"]))
+    kind = draw(st.sampled_from(["2d", "2d", "2d", "vec-mat", "mat-vec", "dot", "batched", "broadcast",
+                                 "broadcast3"]))
     la, lb = draw(st.sampled_from(LAYOUTS)), draw(st.sampled_from(LAYOUTS))
     batch_a = batch_b = ()
     if kind == "batched":
@@ -55,6 +56,8 @@ def problems(draw, max_dim, max_batch, max_k=None):
     elif kind == "broadcast":
         nb = draw(st.integers(2, max_batch))
         batch_a, batch_b = draw(st.sampled_from([((nb, 1), (3,)), ((nb,), ()), ((), (nb,)), ((1, 2), (nb, 1))]))
+    elif kind == "broadcast3":  # three batch levels that cannot merge (the plan copies for the kernels)
+        batch_a, batch_b = (2, 1, 2), (1, draw(st.integers(2, max_batch)), 1)
     return kind, M, N, K, la, lb, batch_a, batch_b
 
 
@@ -102,13 +105,16 @@ def run_case(case, dtype, device, backend, kernel):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("kernel", ["tma", "tma-splitk", "pointer", "splitk", "padded"])
+@pytest.mark.parametrize("kernel", ["tma", "tma-splitk", "pointer", "splitk", "padded", "cublas"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
 @given(case=problems(max_dim=160, max_batch=3, max_k=320))
 def test_fuzz_interpreter(case, dtype, kernel):
-    if kernel == "padded" and dtype == torch.float16:
-        pytest.skip("float16 matmul on CPU is slow; the padded path is fuzzed in float16 on the GPU")
-    run_case(case, dtype, torch.device("cpu"), "torch" if kernel == "padded" else "triton", kernel)
+    if kernel in ("padded", "cublas") and dtype == torch.float16:
+        pytest.skip("float16 matmul on CPU is slow; the torch paths are fuzzed in float16 on the GPU")
+    if kernel == "cublas":  # forced torch.matmul: the result's shape and layout must still be torch's
+        run_case(case, dtype, torch.device("cpu"), "torch", "auto")
+    else:
+        run_case(case, dtype, torch.device("cpu"), "torch" if kernel == "padded" else "triton", kernel)
 
 
 @pytest.mark.gpu

@@ -71,6 +71,26 @@ def test_linear_epilogue_gpu(kernel, activation, monkeypatch):
                              torch_fn=lambda x_, w_: act(F.linear(x_, w_, b)), contract=F.linear, what=f"{kernel} {activation}")
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_three_batch_levels_on_the_gpu(backend):
+    # batch dims that cannot merge: cuBLAS (the default for batched problems) must get the caller's
+    # operands, not the kernels' flattened copies; empty problems of that kind launch nothing
+    a, b = randn(3, 2, 64, 40, dtype=BF16, device="cuda"), randn(2, 3, 1, 40, 72, dtype=BF16, device="cuda")
+    x, w = randn(4, 3, 2, 24, 40, dtype=BF16, device="cuda").permute(2, 1, 0, 3, 4), randn(72, 40, dtype=BF16,
+                                                                                            device="cuda")
+    with tritonmm.force_backend(backend):
+        out = tritonmm.matmul(a, b)
+        assert out.shape == (2, 3, 2, 64, 72)
+        assert_matches_reference(out, a, b, what=backend)
+        y = tritonmm.linear(x, w)
+        assert y.shape == (2, 3, 4, 24, 72)
+        assert_matches_reference(y, x, w, ref_fn=lambda x_, w_: F.linear(x_, w_), torch_fn=F.linear,
+                                 contract=F.linear, what=backend)
+        for sa, sb in (((2, 1, 2, 5, 0), (1, 3, 1, 0, 7)), ((2, 1, 2, 5, 3), (1, 3, 1, 3, 0))):
+            e = tritonmm.matmul(randn(*sa, dtype=BF16, device="cuda"), randn(*sb, dtype=BF16, device="cuda"))
+            torch.testing.assert_close(e, torch.zeros(2, 3, 2, sa[-2], sb[-1], dtype=BF16, device="cuda"))
+
+
 def test_dispatch_on_the_gpu():
     big = randn(4096, 4096, dtype=BF16, device="cuda")
     d = tritonmm.explain(big, big)

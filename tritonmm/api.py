@@ -198,12 +198,22 @@ def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
 
     Returns:
         Decision: ``backend`` ("triton" or "torch"), ``kernel``, ``reason``, ``config``, ``copies``.
+        Under ``torch.autocast`` it is the decision for the operands as autocast casts them.
 
     Raises:
-        Those of :func:`matmul` for invalid operands.
+        Those of :func:`matmul` for invalid operands (operands handed to torch.matmul itself, such as
+        sparse ones, are not checked here).
     """
     _require_tensor("a", a, "explain")
     _require_tensor("b", b, "explain")
+    if _torch_only(a, b):
+        return dispatch.Decision("torch", None, "functorch transform, forward-mode AD or nested tensor: "
+                                                "torch.matmul itself serves the call")
+    if engine._unusual(a) or engine._unusual(b):
+        return dispatch.Decision("torch", None, "sparse, neg-bit (e.g. x.conj().imag) or zero tensor: "
+                                                "torch.matmul itself serves the call")
+    if _any_autocast():
+        a, b = _autocast_inputs((a, b))
     return engine.lookup(a, b, None, "none", "matmul").decision
 
 

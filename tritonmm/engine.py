@@ -148,7 +148,8 @@ def prepare(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: s
         def torch_run(x, y, bias_):
             return torch.matmul(x, y).contiguous()
     decision = dispatch.decide(plan, a.dtype, a.device)
-    if plan.copied:  # operands were copied to build the views: such a geometry is planned per call
+    if plan.copied and decision.backend == "triton":  # operands were copied to build the kernels' views:
+        # such a geometry is planned per call (torch's backends take the caller's operands as they are)
         def run(x, y, bias_):
             p = shapes.plan(x, y.t() if op == "linear" else y)
             return _build(p, decision, a.dtype, a.device, bias_, activation, torch_run)(p.a4, p.b4, bias_)

@@ -5,6 +5,8 @@ Pure torch (no Triton): used by the op, its fake (meta) implementation and the d
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +150,10 @@ def plan(a: torch.Tensor, b: torch.Tensor) -> Plan:
         acc *= size
     strides = [ae.stride()[:-2], be.stride()[:-2], tuple(c_batch_strides)]
     levels = _coalesce(batch, strides)
+    if len(levels) > 2 and 0 in (M, N, K, math.prod(batch)):
+        # an empty problem reads nothing, and copies of empty tensors keep their stride-0 batch dims
+        # (an empty tensor counts as contiguous): one level of stride-0 views, never read
+        levels = [(math.prod(batch), (0, 0, 0))]
     copied = len(levels) > 2
     if copied:  # rare: three batch levels that cannot be merged; pay for copies
         ae, be = ae.contiguous(), be.contiguous()
