@@ -37,6 +37,7 @@ def test_cpu_under_interpreter_takes_triton():
     assert d.backend == "triton" and "TRITON_INTERPRET" in d.reason
 
 
+@pytest.mark.interpreter  # Triton on CPU tensors
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.complex64])
 def test_unsupported_dtypes_served_by_torch(dtype):
     a = (torch.randn(5, 7) * 10).to(dtype)
@@ -59,6 +60,7 @@ def test_forced_torch_and_env(monkeypatch):
         assert tritonmm.explain(a, b).reason != "backend forced to torch"
 
 
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_env_kernel(monkeypatch):
     monkeypatch.setenv("TRITONMM_BACKEND", "triton")
     monkeypatch.setenv("TRITONMM_KERNEL", "pointer")
@@ -66,6 +68,7 @@ def test_env_kernel(monkeypatch):
     assert (d.backend, d.kernel) == ("triton", "pointer")
 
 
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_empty_problems_never_launch():
     for sa, sb in [((0, 5), (5, 3)), ((4, 0), (0, 3)), ((0, 4, 5), (5, 2))]:
         d = tritonmm.explain(randn(*sa), randn(*sb))

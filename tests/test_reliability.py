@@ -135,6 +135,7 @@ def test_inputs_never_modified(kernel, op):
 BAD_CONFIG = {"BLOCK_M": 3, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_stages": 1, "num_warps": 4}
 
 
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_failing_config_falls_back_to_torch_with_one_warning():
     """A config Triton cannot compile (BLOCK_M = 3: tl.arange needs a power of 2): one warning, torch's result."""
     a, b = randn(40, 24), randn(24, 20)
@@ -151,6 +152,7 @@ def test_failing_config_falls_back_to_torch_with_one_warning():
     assert decision.backend == "torch" and "failed" in decision.reason
 
 
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_failure_inside_autotuning_falls_back(monkeypatch):
     """If every config fails (Triton raises from the autotuner / launch), the call is served by torch."""
     from triton.runtime.errors import OutOfResources
@@ -167,6 +169,7 @@ def test_failure_inside_autotuning_falls_back(monkeypatch):
     torch.testing.assert_close(got, F.silu(F.linear(x, w, bias)), rtol=0, atol=0)
 
 
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_other_errors_are_not_swallowed(monkeypatch):
     """Only Triton's compile/resource failures fall back; a bug elsewhere still raises."""
     from tritonmm.kernels import matmul as km
