@@ -14,6 +14,19 @@ from tritonmm.kernels import copy as copy_kernel
 from tritonmm.testing import randn
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def tf32_on_cuda():
+    """On a GPU, float32 reaches the padded path only where TF32 is allowed (else cuBLAS keeps full
+    fp32 and tritonmm calls torch.matmul as it is), as in the benchmark."""
+    old = torch.get_float32_matmul_precision()
+    if DEV == "cuda":
+        torch.set_float32_matmul_precision("high")
+    yield
+    torch.set_float32_matmul_precision(old)
+
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 needs_kernel = pytest.mark.skipif(not copy_kernel.usable(torch.device(DEV)), reason="needs CUDA or TRITON_INTERPRET=1")
 

@@ -64,6 +64,7 @@ def test_example_trains_on_cpu_with_gloo(parallel, tmp_path):
     pytest.importorskip("transformers")
     example = WORKER.parent.parent / "examples" / "train_distributed.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo also on a GPU machine (one GPU cannot host two ranks)
     env["PYTHONPATH"] = str(WORKER.parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
     losses = {}
     for on in ("on", "off"):
