@@ -6,7 +6,6 @@ Pure torch (no Triton): used by the op, its fake (meta) implementation and the d
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
