@@ -19,12 +19,12 @@ MATMUL_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("kernel", ["pointer", "tma"])
-@pytest.mark.parametrize("shapes", MATMUL_INPUTS, ids=str)
+@pytest.mark.parametrize("kernel", ["pointer", "tma", "cublas"])
+@pytest.mark.parametrize("shapes", MATMUL_INPUTS + [((3, 2, 6, 5), (2, 3, 1, 5, 7))], ids=str)  # + three levels
 def test_opcheck_matmul(shapes, kernel):
     a = randn(*shapes[0]).requires_grad_()
     b = randn(*shapes[1]).requires_grad_()
-    with tritonmm.force_backend("triton", kernel):
+    with tritonmm.force_backend(*(("torch",) if kernel == "cublas" else ("triton", kernel))):
         torch.library.opcheck(torch.ops.tritonmm.matmul.default, (a, b))
 
 
