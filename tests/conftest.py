@@ -51,6 +51,17 @@ def _nan_empty(*args, **kwargs):
     return out
 
 
+@pytest.fixture
+def tf32_on_cuda():
+    """On a GPU, float32 reaches the padded path only where TF32 is allowed (else cuBLAS keeps full
+    fp32 and tritonmm calls torch.matmul as it is), as in the benchmark; CPU runs are left as they are."""
+    old = torch.get_float32_matmul_precision()
+    if HAS_CUDA:
+        torch.set_float32_matmul_precision("high")
+    yield
+    torch.set_float32_matmul_precision(old)
+
+
 @pytest.fixture(autouse=True)
 def nan_poisoned_outputs(monkeypatch):
     """Every output the Triton path allocates starts as NaN: an unwritten tile fails loudly."""

@@ -15,16 +15,7 @@ from tritonmm.testing import randn
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-
-@pytest.fixture(autouse=True)
-def tf32_on_cuda():
-    """On a GPU, float32 reaches the padded path only where TF32 is allowed (else cuBLAS keeps full
-    fp32 and tritonmm calls torch.matmul as it is), as in the benchmark."""
-    old = torch.get_float32_matmul_precision()
-    if DEV == "cuda":
-        torch.set_float32_matmul_precision("high")
-    yield
-    torch.set_float32_matmul_precision(old)
+pytestmark = pytest.mark.usefixtures("tf32_on_cuda")
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
