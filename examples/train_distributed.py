@@ -119,17 +119,17 @@ def fingerprint(model) -> float:
 
 def count_gemm_paths() -> collections.Counter:
     """Tally, per call, the path tritonmm's dispatcher took (e.g. "triton:tma", "torch:None")."""
-    from tritonmm import engine
+    from tritonmm import runners
 
     tally: collections.Counter = collections.Counter()
-    lookup = engine.lookup
+    lookup = runners.lookup
 
     def counted(*args):
         prepared = lookup(*args)
         tally[f"{prepared.decision.backend}:{prepared.decision.kernel}"] += 1
         return prepared
 
-    engine.lookup = counted
+    runners.lookup = counted
     return tally
 
 

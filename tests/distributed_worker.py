@@ -96,7 +96,7 @@ def main():
     parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     inp = torch.randn(4, 7, 6)
     calls = {"linear": 0, "matmul": 0}
-    from tritonmm import engine
+    from tritonmm import runners
 
     def counting(name, fn):
         def wrapper(*args):
@@ -104,7 +104,7 @@ def main():
             return fn(*args)
         return wrapper
 
-    engine.linear, engine.matmul = counting("linear", engine.linear), counting("matmul", engine.matmul)
+    runners.linear, runners.matmul = counting("linear", runners.linear), counting("matmul", runners.matmul)
     with tritonmm.patch_linear():
         y = mlp(inp)
         y.square().sum().backward()

@@ -10,7 +10,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tritonmm.kernels import configs as cfg
-from tritonmm.kernels import matmul as km
+from tritonmm.kernels import tma as km
 
 VARIANTS = {  # (A_TRANS, B_TRANS, C_TMA, HAS_BIAS, ACTIVATION, integer arguments Triton specializes to 1)
     "nn": (False, False, True, False, "none", ()),

@@ -81,27 +81,28 @@ def test_backward_follows_the_forwards_forcing(monkeypatch):
     """force_backend around the forward also governs the backward GEMMs, on whichever thread autograd runs them."""
     import threading
 
-    from tritonmm import engine
+    from tritonmm import runners
 
     seen = []
-    lookup = engine.lookup
+    lookup = runners.lookup
 
     def spy(*args):
         prepared = lookup(*args)
         seen.append((threading.current_thread().name, prepared.decision.backend, args[-1]))
         return prepared
 
-    monkeypatch.setattr(engine, "lookup", spy)
+    monkeypatch.setattr(runners, "lookup", spy)
     x = randn(33, 40).requires_grad_()
     w = randn(24, 40).requires_grad_()
-    with tritonmm.force_backend("torch"):
+    with tritonmm.force_backend("triton", "pointer"):
         y = tritonmm.linear(x, w, None, "gelu")
         z = tritonmm.matmul(y, randn(24, 5))
     backward = threading.Thread(target=lambda: z.sum().backward())  # a thread with no forcing of its own
     backward.start()
     backward.join()
     assert x.grad is not None and w.grad is not None
-    assert len(seen) >= 5 and all(backend == "torch" for _, backend, _ in seen), seen
+    assert len(seen) >= 5 and all(backend == "triton" for _, backend, _ in seen), seen
+    assert any(name != threading.current_thread().name for name, _, _ in seen)  # backward ran elsewhere
 
 
 # ----------------------------------------------------------------- eager Function path vs the custom op
@@ -112,15 +113,13 @@ def test_backward_follows_the_forwards_forcing(monkeypatch):
 def test_eager_function_path_matches_the_op(activation, dtype):
     """Eager autograd calls of tritonmm.linear/matmul run torch.autograd.Function subclasses (no
     dispatcher layers); they must give the op's values, gradients and double-backward gradients."""
-    from tritonmm import api
-
     def run(use_op):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(5, 7, 12, generator=g, dtype=dtype).requires_grad_()
         w = torch.randn(9, 12, generator=g, dtype=dtype).requires_grad_()
         b = torch.randn(9, generator=g, dtype=dtype).requires_grad_()
         y = (torch.ops.tritonmm.linear(x, w, b, activation) if use_op else tritonmm.linear(x, w, b, activation))
-        if not use_op:
+        if not use_op and dtype == torch.float32:  # float64 is torch's: F.linear's own autograd
             assert type(y.grad_fn).__name__ == "_LinearFunctionBackward"
         z = tritonmm.matmul(y, w) if not use_op else torch.ops.tritonmm.matmul(y, w)
         gx, gw, gb = torch.autograd.grad(z.square().sum(), (x, w, b), create_graph=True)
@@ -130,7 +129,6 @@ def test_eager_function_path_matches_the_op(activation, dtype):
     tol = 1e-10 if dtype == torch.float64 else 1e-4  # same kernels and formulas: equal up to rounding
     for got, want in zip(run(False), run(True)):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    assert api._eager_autograd_path(torch.ones(2, requires_grad=True))
 
 
 def test_eager_function_path_under_autocast_casts_like_the_op():

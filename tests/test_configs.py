@@ -88,7 +88,7 @@ def test_prune_keeps_tma_split_k_only_for_few_tiles(M, N, K, split):
 
 
 def _busy_slices(K, cfg, kernel):
-    """Slices with work, by walking the kernels' own K loops (tritonmm/kernels/matmul.py)."""
+    """Slices with work, by walking the kernels' own K loops (tritonmm/kernels/pointer.py, tma.py)."""
     s, bk = cfg["SPLIT_K"], cfg["BLOCK_K"]
     if kernel == "tma":  # K steps split*per .. min(split*per + per, k_tiles)
         k_tiles = -(-K // bk)
@@ -118,7 +118,7 @@ def test_split_pool_key_separates_shapes_of_one_bucket():
     """K = 130 and 256 share a bucket, but 4 splits of BLOCK_K 64 only fit 256 (130 is 3 steps): the
     autotune key holds the pruned pool's split configs, so a config tuned for one is never run with the
     other's workspace."""
-    from tritonmm.kernels import matmul as km
+    from tritonmm.kernels import launch as km
 
     def pool(K):
         return cfg.prune(cfg.candidates("tma"), M=128, N=4096, K=K, itemsize=2, out_itemsize=2, kernel="tma",
@@ -148,7 +148,7 @@ def test_old_candidates_file_without_tma_split_k(tmp_path, monkeypatch):
         assert cfg.interpreter_config("tma")["SPLIT_K"] == 1
         import torch
 
-        pick = cfg.heuristic("tma", 128, 4096, 4096, 2, 2, torch.device("cpu"))
+        pick = cfg.heuristic("tma", 128, 4096, 4096, 2, 2, None, 4)
         assert pick["SPLIT_K"] == 1 and pick in rows
     finally:
         cfg._candidates_file.cache_clear()

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tritonmm
-from tritonmm import padded
+from tritonmm import layout, padded
 from tritonmm.kernels import copy as copy_kernel
 from tritonmm.testing import randn
 
@@ -95,10 +95,10 @@ def test_padded_path_same_with_torch_copies(monkeypatch, dtype, tb):
         assert tritonmm.explain(a, b).kernel == "padded"
         fast = tritonmm.matmul(a, b)
         monkeypatch.setattr(copy_kernel, "usable", lambda device: False)
-        tritonmm.engine._cache.clear()  # runners are built per geometry: rebuild with torch's copies
+        tritonmm.clear_cache()  # runners are built per geometry: rebuild with torch's copies
         slow = tritonmm.matmul(a, b)
     assert torch.equal(bits(fast), bits(slow))
-    assert padded.padded_shape(tritonmm.shapes.plan(a, b), dtype) is not None
+    assert layout.padded_shape(tritonmm.shapes.plan(a, b), dtype) is not None
 
 
 @pytest.mark.gpu

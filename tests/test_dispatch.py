@@ -14,9 +14,9 @@ CUDA = torch.device("cuda")
 @pytest.fixture
 def fake_hopper(monkeypatch):
     """Rules for a CUDA device, evaluated on CPU-built plans: an sm_90 GPU with 132 SMs, no tuned table."""
-    monkeypatch.setattr(dispatch, "_has_tma", lambda device: True)
-    monkeypatch.setattr(dispatch, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(dispatch._tuned, "lookup", lambda device, dtype, p: None)
+    monkeypatch.setattr(dispatch._device, "has_tma", lambda device: True)
+    monkeypatch.setattr(dispatch._device, "num_sms", lambda device: 132)
+    monkeypatch.setattr(dispatch._tuned, "entry", lambda device, dtype, p: None)
 
 
 def decide_cuda(a, b):
@@ -152,7 +152,7 @@ def test_forced_kernel_choice_on_hopper(fake_hopper):
 
 
 def test_no_tma_before_hopper(fake_hopper, monkeypatch):
-    monkeypatch.setattr(dispatch, "_has_tma", lambda device: False)
+    monkeypatch.setattr(dispatch._device, "has_tma", lambda device: False)
     with tritonmm.force_backend("triton"):
         d = decide_cuda(randn(1024, 1024, dtype=torch.half), randn(1024, 1024, dtype=torch.half))
     assert d.kernel == "pointer"

@@ -92,13 +92,13 @@ def run_case(case, dtype, device, backend, kernel):
     if backend == "triton":
         assert decision.backend == "triton", str(decision)
     if kernel == "padded":  # cuBLAS on padded copies wherever a 2-D problem has an unaligned leading dim
-        from tritonmm import padded, shapes
+        from tritonmm import layout, shapes
 
         p = shapes.plan(a, b)
         if not (p.M and p.N and p.K and p.batch):
             expect = ("triton", "none")  # empty problems launch nothing, whatever is forced
         else:
-            expect = ("torch", "padded" if padded.padded_shape(p, a.dtype) is not None else None)
+            expect = ("torch", "padded" if layout.padded_shape(p, a.dtype) is not None else None)
         assert (decision.backend, decision.kernel) == expect, str(decision)
     assert_matches_reference(tri, a, b, what=str(decision))
     assert torch.equal(a, a0) and torch.equal(b, b0)

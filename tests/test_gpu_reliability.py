@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
-from tritonmm import engine, workspace
-from tritonmm.engine import KernelFailedWarning
+from tritonmm import device as _device
+from tritonmm import runners, workspace
+from tritonmm.runners import KernelFailedWarning
 from tritonmm.testing import assert_matches_reference, randn
 
 pytestmark = pytest.mark.gpu
@@ -104,13 +105,13 @@ def test_first_launch_inside_capture_uses_a_fixed_config():
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):  # compile the kernel binary for this specialization first
             from tritonmm.kernels import configs as cfg
-            from tritonmm.kernels import matmul as km
+            from tritonmm.kernels import launchers as km
 
-            config = cfg.heuristic("pointer", 520, 392, 264, 2, 2, a.device)
+            config = cfg.heuristic("pointer", 520, 392, 264, 2, 2, _device.smem_limit(a.device), _device.num_sms(a.device))
             km.launch_pointer(a[None, None], b[None, None], torch.empty(1, 1, 520, 392, dtype=BF16, device="cuda"),
                               config=config)
         torch.cuda.synchronize()
-        engine.clear_cache()
+        tritonmm.clear_cache()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = tritonmm.matmul(a, b)
@@ -242,7 +243,7 @@ def test_no_memory_growth_over_10000_calls(monkeypatch):
     torch.cuda.synchronize()
     gc.collect()
     assert torch.cuda.memory_allocated() == before
-    assert len(engine._cache) <= engine.CACHE_MAX
+    assert len(runners._cache) <= runners.CACHE_MAX
 
 
 # --------------------------------------------------------------------------- extreme sizes
@@ -329,7 +330,7 @@ def test_bit_identical_across_processes_for_a_config(kernel):
 
     from tritonmm.kernels import configs as cfg
 
-    config = cfg.heuristic(kernel, 700, 500, 900, 2, 2, torch.device("cuda"))
+    config = cfg.heuristic(kernel, 700, 500, 900, 2, 2, _device.smem_limit(torch.device("cuda")), _device.num_sms(torch.device("cuda")))
     script = _HASH.format(cfg=config, kernel=kernel)
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
@@ -378,7 +379,7 @@ def test_bad_tuned_table_warns_once_and_falls_back_to_defaults(content, tmp_path
     (tmp_path / "tuned" / "h200.json").write_text(content, errors="surrogateescape")
     monkeypatch.setenv("TRITONMM_CONFIG_DIR", str(tmp_path))
     tuned._table_for.cache_clear()
-    engine.clear_cache()
+    tritonmm.clear_cache()
     try:
         problems = [(randn(4096, 4096, dtype=BF16, device="cuda"), randn(4096, 4096, dtype=BF16, device="cuda")),
                     (randn(4095, 1000, dtype=BF16, device="cuda"), randn(1000, 4097, dtype=BF16, device="cuda"))]
@@ -393,4 +394,4 @@ def test_bad_tuned_table_warns_once_and_falls_back_to_defaults(content, tmp_path
     finally:
         monkeypatch.delenv("TRITONMM_CONFIG_DIR")
         tuned._table_for.cache_clear()
-        engine.clear_cache()
+        tritonmm.clear_cache()

@@ -1,4 +1,4 @@
-"""Direct launches of compiled kernels (kernels/matmul.py ``_DirectLaunch``), checked with a fake JIT
+"""Direct launches of compiled kernels (``tritonmm.kernels.launch.DirectLaunch``), checked with a fake JIT
 function: the second launch must reach the compiled binary's launcher with every argument in signature
 order, and launch hooks (profilers) must keep the normal path. The real launches run in every `gpu` test."""
 
@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from tritonmm.kernels import matmul as km
+from tritonmm.kernels import launch as km
 
 
 class FakeCompiled:
@@ -43,7 +43,7 @@ def fake_gpu(monkeypatch):
 
 def test_second_launch_calls_the_compiled_launcher(fake_gpu):
     fn = FakeJit()
-    launch = km._DirectLaunch(fn, (7, 2), {"BLOCK_M": 64, "ACTIVATION": "gelu", "num_warps": 4})
+    launch = km.DirectLaunch(fn, (7, 2), {"BLOCK_M": 64, "ACTIVATION": "gelu", "num_warps": 4})
     launch(("ptr0", 100))
     assert len(fn.slow) == 1 and fn.slow[0][0] == (7, 2, 1) and fn.compiled.runs == []
     launch(("ptr1", 100))
@@ -53,7 +53,7 @@ def test_second_launch_calls_the_compiled_launcher(fake_gpu):
 
 def test_launch_hooks_keep_the_normal_path(fake_gpu, monkeypatch):
     fn = FakeJit()
-    launch = km._DirectLaunch(fn, (1,), {"BLOCK_M": 16, "ACTIVATION": "none"})
+    launch = km.DirectLaunch(fn, (1,), {"BLOCK_M": 16, "ACTIVATION": "none"})
     launch(("p", 1))
     monkeypatch.setattr(km, "_hooks_active", lambda: True)
     launch(("p", 1))
@@ -63,7 +63,7 @@ def test_launch_hooks_keep_the_normal_path(fake_gpu, monkeypatch):
 def test_interpreter_never_takes_the_direct_path(monkeypatch):
     monkeypatch.setattr(km, "interpreting", lambda: True)
     fn = FakeJit()
-    launch = km._DirectLaunch(fn, (1,), {"BLOCK_M": 16, "ACTIVATION": "none"})
+    launch = km.DirectLaunch(fn, (1,), {"BLOCK_M": 16, "ACTIVATION": "none"})
     launch(("p", 1))
     launch(("p", 1))
     assert len(fn.slow) == 2 and launch.compiled is None

@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
-from tritonmm.kernels import matmul as km
 from tritonmm.testing import assert_matches_reference, randn
 
 pytestmark = pytest.mark.interpreter
@@ -84,8 +83,8 @@ def test_gelu_tanh_epilogue_on_large_values_warns_of_nothing(kernel):
 
 def test_epilogue_is_fused(monkeypatch):
     """One kernel launch; no separate bias or activation pass over the output."""
-    from tritonmm import activations, engine
-    from tritonmm.kernels import matmul as km
+    from tritonmm import activations
+    from tritonmm.kernels import launch, launchers
 
     launches = []
 
@@ -97,15 +96,16 @@ def test_epilogue_is_fused(monkeypatch):
             launches.append(grid)
             return self.fn[grid]
 
-    monkeypatch.setattr(km, "_matmul_tma_kernel", Counting(km._matmul_tma_kernel))
-    monkeypatch.setattr(km, "_matmul_kernel", Counting(km._matmul_kernel))
+    for module in (launch, launchers):
+        monkeypatch.setattr(module, "_matmul_tma_kernel", Counting(module._matmul_tma_kernel))
+        monkeypatch.setattr(module, "_matmul_kernel", Counting(module._matmul_kernel))
 
     def no_torch_activation(*args, **kwargs):
         raise AssertionError("activation ran outside the kernel")
 
     monkeypatch.setattr(activations, "apply_", no_torch_activation)
     monkeypatch.setattr(torch.nn.functional, "gelu", no_torch_activation)
-    engine.clear_cache()
+    tritonmm.clear_cache()
     x, w, b = randn(32, 48), randn(16, 48), randn(16)
     for kernel in ("tma", "pointer"):
         launches.clear()
@@ -207,9 +207,9 @@ def test_tma_splitk_applies_epilogue_once(split, n, b_trans):
     and the tile's last split sums them, then adds a strided bias and the activation, rounding once.
     K = 40 is 3 BLOCK_K steps: with 5 splits two slices are empty. N = 45 stores C through pointers
     (rows not 16-byte aligned), N = 48 through TMA; counters end at zero; a repeat is bitwise equal."""
-    from tritonmm import engine, workspace
+    from tritonmm import workspace
 
-    engine.clear_cache()
+    tritonmm.clear_cache()
     workspace.release()
     _poison_splitk_partials()
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_stages": 1, "num_warps": 4,
@@ -224,19 +224,17 @@ def test_tma_splitk_applies_epilogue_once(split, n, b_trans):
     _check_gelu_linear(out, again, x, w, b)
     counters = getattr(workspace._local, "counters", {})
     assert len(counters) == 1 and all(int(t.abs().sum()) == 0 for t in counters.values())
-    engine.clear_cache()
+    tritonmm.clear_cache()
 
 
-@pytest.mark.parametrize("reduce", ["last", "kernel"])
 @pytest.mark.parametrize("split", [2, 4])
-def test_splitk_reduction_applies_epilogue_once(split, reduce, monkeypatch):
-    """Both split-K reductions (in the GEMM kernel by each tile's last split, or a second kernel) add
-    every K slice's partial exactly once, then a strided bias and the activation, rounding once
-    (K = 200 leaves a short last slice); the arrival counters are back at zero afterwards."""
-    from tritonmm import engine, workspace
+def test_splitk_reduction_applies_epilogue_once(split):
+    """The split-K reduction (in the GEMM kernel, by each tile's last split) adds every K slice's
+    partial exactly once, then a strided bias and the activation, rounding once (K = 200 leaves a
+    short last slice); the arrival counters are back at zero afterwards."""
+    from tritonmm import workspace
 
-    monkeypatch.setattr(km, "SPLITK_REDUCE", reduce)
-    engine.clear_cache()  # launchers read SPLITK_REDUCE when built
+    tritonmm.clear_cache()
     workspace.release()
     _poison_splitk_partials()
     cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_stages": 1, "num_warps": 4,
@@ -248,6 +246,5 @@ def test_splitk_reduction_applies_epilogue_once(split, reduce, monkeypatch):
         again = tritonmm.linear(x, w, b, "gelu")
     _check_gelu_linear(out, again, x, w, b)
     counters = getattr(workspace._local, "counters", {})
-    assert (len(counters) == 1) == (reduce == "last")
-    assert all(int(t.abs().sum()) == 0 for t in counters.values())
-    engine.clear_cache()
+    assert len(counters) == 1 and all(int(t.abs().sum()) == 0 for t in counters.values())
+    tritonmm.clear_cache()

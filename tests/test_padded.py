@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tritonmm
-from tritonmm import dispatch, padded, workspace
+from tritonmm import dispatch, layout, padded, workspace
 from tritonmm.shapes import plan
 from tritonmm.testing import assert_matches_reference, randn
 
@@ -39,7 +39,7 @@ def test_padded_matches_float64(M, N, K, ta, tb, off):
     with tritonmm.force_backend("torch", "padded"):
         d = tritonmm.explain(a, b)
         out = tritonmm.matmul(a, b)
-    expect_padded = padded.padded_shape(plan(a, b), a.dtype) is not None
+    expect_padded = layout.padded_shape(plan(a, b), a.dtype) is not None
     assert d.kernel == ("padded" if expect_padded else None)
     assert out.is_contiguous() and out.shape == (M, N)
     assert_matches_reference(out, a, b, what="padded")
@@ -92,9 +92,9 @@ def test_padded_reuses_workspace_and_gradients_match():
 
 def test_aligned_operands_are_not_padded():
     a, b = randn(32, 64, device=DEV), randn(64, 16, device=DEV)
-    assert padded.padded_shape(plan(a, b), a.dtype) is None
+    assert layout.padded_shape(plan(a, b), a.dtype) is None
     batched = plan(randn(3, 8, 9, device=DEV), randn(3, 9, 8, device=DEV))
-    assert padded.padded_shape(batched, torch.float32) is None  # batched GEMMs are never padded
+    assert layout.padded_shape(batched, torch.float32) is None  # batched GEMMs are never padded
 
 
 def test_padded_forcing_errors(monkeypatch):
@@ -138,12 +138,12 @@ def test_tuned_padded_entry_becomes_a_padded_decision(monkeypatch):
     entry = {"backend": "torch", "kernel": "padded", "config": None, "triton_us": 10.0, "torch_us": 30.0}
     tuned._check_entry(key, entry)
     monkeypatch.setattr(tuned, "_table_for", lambda index: {key: entry})
-    d = tuned.lookup(torch.device("cuda", 0), a.dtype, plan(a, b))
+    d = dispatch._from_table(torch.device("cuda", 0), a.dtype, plan(a, b))
     assert (d.backend, d.kernel) == ("torch", "padded") and "3.00x" in d.reason
     aligned = plan(randn(300, 304, dtype=torch.bfloat16), randn(304, 304, dtype=torch.bfloat16))
     monkeypatch.setattr(tuned, "_table_for",
                         lambda index: {tuned.entry_key(a.dtype, 300, 304, 304, "nn"): entry})
-    assert tuned.lookup(torch.device("cuda", 0), a.dtype, aligned).kernel is None
+    assert dispatch._from_table(torch.device("cuda", 0), a.dtype, aligned).kernel is None
 
 
 @pytest.mark.gpu

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
-from tritonmm import engine, tuned, workspace
-from tritonmm.engine import KernelFailedWarning
+from tritonmm import runners, tuned, workspace
+from tritonmm.runners import KernelFailedWarning
 from tritonmm.testing import assert_matches_reference, randn
 
 KERNELS = ["pointer", "splitk", "tma"]
@@ -157,12 +157,14 @@ def test_failure_inside_autotuning_falls_back(monkeypatch):
     """If every config fails (Triton raises from the autotuner / launch), the call is served by torch."""
     from triton.runtime.errors import OutOfResources
 
-    from tritonmm.kernels import matmul as km
+    from tritonmm.kernels import launch, launchers
 
     def no_config_runs(*args, **kwargs):
         raise OutOfResources(300000, 232448, "shared memory")
 
-    monkeypatch.setattr(km, "_matmul_kernel", type("K", (), {"__getitem__": lambda self, grid: no_config_runs})())
+    for module in (launch, launchers):
+        monkeypatch.setattr(module, "_matmul_kernel",
+                            type("K", (), {"__getitem__": lambda self, grid: no_config_runs})())
     x, w, bias = randn(20, 30), randn(10, 30), randn(10)
     with tritonmm.force_backend("triton", "pointer"), pytest.warns(KernelFailedWarning, match="OutOfResources"):
         got = tritonmm.linear(x, w, bias, "silu")
@@ -172,12 +174,13 @@ def test_failure_inside_autotuning_falls_back(monkeypatch):
 @pytest.mark.interpreter  # Triton on CPU tensors
 def test_other_errors_are_not_swallowed(monkeypatch):
     """Only Triton's compile/resource failures fall back; a bug elsewhere still raises."""
-    from tritonmm.kernels import matmul as km
+    from tritonmm.kernels import launch, launchers
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("bug")
 
-    monkeypatch.setattr(km, "_matmul_kernel", type("K", (), {"__getitem__": lambda self, grid: broken})())
+    for module in (launch, launchers):
+        monkeypatch.setattr(module, "_matmul_kernel", type("K", (), {"__getitem__": lambda self, grid: broken})())
     with tritonmm.force_backend("triton", "pointer"), pytest.raises(ZeroDivisionError):
         tritonmm.matmul(randn(9, 9), randn(9, 9))
 
@@ -337,11 +340,11 @@ def test_workspace_is_per_thread():
 
 
 def test_engine_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(engine, "CACHE_MAX", 8)
-    engine.clear_cache()
+    monkeypatch.setattr(runners, "CACHE_MAX", 8)
+    tritonmm.clear_cache()
     for n in range(1, 30):
         tritonmm.matmul(randn(2, n), randn(n, 2))
-        assert len(engine._cache) <= 8
+        assert len(runners._cache) <= 8
 
 
 # --------------------------------------------------------------------------- state files

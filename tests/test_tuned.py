@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tritonmm import tuned
+from tritonmm import dispatch, layout, tuned
 from tritonmm.shapes import plan
 from tritonmm.testing import randn
 from tritonmm.tune import choose, merge_measurements
@@ -101,22 +101,22 @@ def test_lookup_gives_decisions(monkeypatch):
     table = {key: {"backend": "triton", "kernel": "tma", "config": cfg, "triton_us": 10.0, "torch_us": 12.0}}
     monkeypatch.setattr(tuned, "_table_for", lambda index: table)
     cuda = torch.device("cuda", 0)
-    d = tuned.lookup(cuda, torch.bfloat16, p)
+    d = dispatch._from_table(cuda, torch.bfloat16, p)
     assert (d.backend, d.kernel, d.config) == ("triton", "tma", cfg) and "1.20x" in d.reason
     table[key] = {**table[key], "backend": "torch"}
-    d = tuned.lookup(cuda, torch.bfloat16, p)
+    d = dispatch._from_table(cuda, torch.bfloat16, p)
     assert d.backend == "torch" and "cuBLAS kept (Triton measured 1.20x" in d.reason  # a gain inside the margin
     table[key] = {**table[key], "triton_us": 15.0}
-    assert "cuBLAS measured faster (Triton 0.80x)" in tuned.lookup(cuda, torch.bfloat16, p).reason
-    assert tuned.lookup(cuda, torch.float16, p).backend == "torch"  # float16 falls back to bfloat16's entry
-    assert tuned.lookup(cuda, torch.float32, p) is None  # no float32 entry
-    assert tuned.lookup(cuda, torch.bfloat16, plan(randn(3, 5, 5), randn(3, 5, 5))) is None  # batched
+    assert "cuBLAS measured faster (Triton 0.80x)" in dispatch._from_table(cuda, torch.bfloat16, p).reason
+    assert dispatch._from_table(cuda, torch.float16, p).backend == "torch"  # float16 falls back to bfloat16's entry
+    assert dispatch._from_table(cuda, torch.float32, p) is None  # no float32 entry
+    assert dispatch._from_table(cuda, torch.bfloat16, plan(randn(3, 5, 5), randn(3, 5, 5))) is None  # batched
 
 
 def test_layout_tag_and_key():
     w = randn(64, 32)
-    assert tuned.layout_tag(plan(randn(8, 32), w.t())) == "nt"
-    assert tuned.layout_tag(plan(randn(32, 8).t(), randn(32, 64))) == "tn"
+    assert layout.tag(plan(randn(8, 32), w.t())) == "nt"
+    assert layout.tag(plan(randn(32, 8).t(), randn(32, 64))) == "tn"
     assert tuned.entry_key(torch.bfloat16, 100, 64, 32, "nn") == "bfloat16:128:64:32:nn"
 
 
@@ -137,10 +137,10 @@ def test_m_equal_1_has_its_own_key_and_falls_back_to_the_bucket(monkeypatch):
     cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_stages": 4, "num_warps": 4, "SPLIT_K": 2}
     table["bfloat16:1:64:32:nn"] = {"backend": "triton", "kernel": "splitk", "config": cfg, "triton_us": 1.0,
                                     "torch_us": 2.0}
-    assert tuned.lookup(cuda, torch.float16, gemv).kernel == "splitk"  # M = 1 entry, sibling dtype
-    assert tuned.lookup(cuda, torch.bfloat16, small).backend == "torch"  # M = 16 keeps the bucket entry
+    assert dispatch._from_table(cuda, torch.float16, gemv).kernel == "splitk"  # M = 1 entry, sibling dtype
+    assert dispatch._from_table(cuda, torch.bfloat16, small).backend == "torch"  # M = 16 keeps the bucket entry
     table["float16:16:64:32:nn"] = {"backend": "torch", "kernel": None, "config": None, "torch_us": 1.0}
-    assert tuned.lookup(cuda, torch.float16, gemv).kernel == "splitk"  # M = 1 key before the dtype's bucket
+    assert dispatch._from_table(cuda, torch.float16, gemv).kernel == "splitk"  # M = 1 key before the dtype's bucket
 
 
 def test_choose_needs_the_min_gain_on_every_shape():

@@ -5,6 +5,7 @@ Public API (re-exports only; importing neither initialises CUDA nor reads files)
 * :func:`matmul` / ``torch.ops.tritonmm.matmul``: torch.matmul semantics.
 * :func:`linear` / ``torch.ops.tritonmm.linear``: F.linear with a fused bias + activation epilogue.
 * :func:`explain`: which backend a call takes, and why.
+* :func:`clear_cache`: forget cached decisions (after installing a tuned table, say).
 * :func:`force_backend`: force Triton or torch.matmul (cuBLAS) inside a ``with`` block.
 * :func:`patch_linear`, :func:`unpatch_linear`, :func:`swap_linear`, :func:`unswap_linear`: nn.Linear integration.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 from . import distributed as _distributed
 from . import ops as _ops  # noqa: F401  (registers the torch.library ops)
 from .activations import ACTIVATIONS
-from .api import explain, linear, matmul
+from .api import clear_cache, explain, linear, matmul
 from .dispatch import Decision, force_backend
 from .nn import TritonLinear, patch_linear, swap_linear, unpatch_linear, unswap_linear
 
@@ -26,6 +27,7 @@ __all__ = [
     "ACTIVATIONS",
     "Decision",
     "TritonLinear",
+    "clear_cache",
     "explain",
     "force_backend",
     "linear",

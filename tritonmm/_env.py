@@ -4,6 +4,20 @@ from __future__ import annotations
 
 import os
 
+ENV = ("TRITONMM_BACKEND", "TRITONMM_KERNEL", "TRITONMM_AUTOTUNE", "TRITON_INTERPRET", "TRITONMM_CONFIG_DIR")
+"""The variables a decision depends on: part of every cache key, so changing one takes effect at the next call."""
+_environ_data = getattr(os.environ, "_data", None)  # CPython's raw (encoded) environment: faster reads
+if isinstance(_environ_data, dict) and all(isinstance(k, bytes) for k in list(_environ_data)[:1]):
+    _ENV_KEYS = tuple(os.fsencode(k) for k in ENV)
+
+    def env_state() -> tuple:
+        """The raw values of :data:`ENV` (None where unset)."""
+        return tuple(map(_environ_data.get, _ENV_KEYS))
+else:  # pragma: no cover - non-POSIX environments
+    def env_state() -> tuple:
+        """The raw values of :data:`ENV` (None where unset)."""
+        return tuple(map(os.environ.get, ENV))
+
 
 def interpreting() -> bool:
     """True under ``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors through its interpreter."""

@@ -1,22 +1,226 @@
-"""Python entry points: thin, documented wrappers over the torch.library ops."""
+"""The public entry points and their per-call fast path.
+
+A call builds a small key (shapes, dtypes, device, autocast dtype, forcing state, environment) and
+looks up a callable resolved on the first call with that key:
+
+* where the dispatcher sends the forward GEMM and both backward GEMMs to cuBLAS whatever the
+  operands' strides (:func:`dispatch.torch_everywhere`), the callable *is* ``F.linear`` /
+  ``torch.matmul``: torch's own autograd, autocast (with its weight-cast cache), functorch and
+  mode handling apply, and tritonmm adds only the key and one lookup;
+* otherwise a :class:`_Route` runs the runner (:mod:`tritonmm.runners`) directly for plain eager
+  tensors, a ``torch.autograd.Function`` over the same runner where autograd is needed, and the
+  ``torch.library`` op for everything else (tensor subclasses, modes, tracing).
+
+Under ``torch.compile`` and ``torch.export`` the call is the op itself, which decides at trace time
+(:mod:`tritonmm.traced`).
+"""
 
 from __future__ import annotations
 
+import math
+import weakref
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd import forward_ad as _fw_ad
 
-from . import dispatch, engine, ops
+from . import activations, dispatch, grads, modes, runners, shapes
+from ._env import env_state
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
-    lambda: torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled())
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
-# the older vmap behind autograd.grad(is_grads_batched=True) and jacobian/hessian(vectorize=True):
-# its batched tensors are plain torch.Tensor without storage, invisible to the functorch check
-_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
+CACHE_MAX = 4096
+_cache: dict = {}
+_forced = dispatch._forced.get
+_any_autocast = torch._C._is_any_autocast_enabled
+_grad_enabled = torch.is_grad_enabled
+_fp32_precision = torch.get_float32_matmul_precision
+_is_compiling = torch.compiler.is_compiling
+_F32 = torch.float32
+_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.AutocastCPU)
+
+
+def _autocast_dtype(t: Tensor):
+    """The autocast dtype of ``t``'s device type, or None where autocast is off there."""
+    device_type = "cuda" if t.is_cuda else t.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _cast(t, dtype):
+    """An autocast cast, as torch's autocast casts matmul / linear inputs (floating, not float64)."""
+    if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.dtype != dtype:
+        return t.to(dtype)
+    return t
+
+
+_weight_casts: dict = {}
+
+
+def _cast_weight(t, dtype):
+    """:func:`_cast`, reusing one cast of a leaf parameter until it changes (its version counter), as
+    torch's autocast cache reuses weight casts within an autocast region. Dropped when the parameter
+    is freed, and by :func:`tritonmm.clear_cache`."""
+    if not (isinstance(t, Tensor) and t.is_leaf and t.requires_grad and torch.is_autocast_cache_enabled()):
+        return _cast(t, dtype)
+    if t.dtype == dtype or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    key = id(t)
+    hit = _weight_casts.get(key)
+    grad = _grad_enabled()
+    if hit is not None and hit[0]() is t and hit[1] == (t._version, dtype, t.device, grad):
+        return hit[2]
+    cast = t.to(dtype)
+    _weight_casts[key] = (weakref.ref(t, lambda _, k=key: _weight_casts.pop(k, None)), (t._version, dtype, t.device,
+                                                                                      grad), cast)
+    return cast
+
+
+class _MatmulFunction(torch.autograd.Function):
+    """``tritonmm::matmul`` in eager mode with autograd: the runner forward, :mod:`tritonmm.grads` backward."""
+
+    @staticmethod
+    def forward(ctx, a, b):  # ctx-style forward: Function.apply binds no signature per call
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):  # inputs are cast already
+            out = runners.matmul(a, b)
+        grads.matmul_setup_context(ctx, (a, b), out)
+        return out
+
+    backward = staticmethod(grads.matmul_backward)
+
+
+class _LinearFunction(torch.autograd.Function):
+    """``tritonmm::linear`` in eager mode with autograd: the runner forward, :mod:`tritonmm.grads` backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            out = runners.linear(x, weight, bias, activation)
+        grads.linear_setup_context(ctx, (x, weight, bias, activation), out)
+        return out
+
+    backward = staticmethod(grads.linear_backward)
+
+
+def _needs_grad(*tensors) -> bool:
+    if not _grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def _matmul_slow(a: Tensor, b: Tensor) -> Tensor:
+    """Every mode: torch itself, the op, the autograd Function or the runner."""
+    _require_tensor("input", a, "matmul")
+    _require_tensor("other", b, "matmul")
+    if modes.torch_only(a, b):
+        return torch.matmul(a, b)
+    if not (modes.eager() and modes.plain(a, b)):
+        return torch.ops.tritonmm.matmul(a, b)
+    if _any_autocast():
+        dtype = _autocast_dtype(a)
+        if dtype is not None:
+            a, b = _cast(a, dtype), _cast_weight(b, dtype)
+    if _needs_grad(a, b):
+        return _MatmulFunction.apply(a, b)
+    return runners.matmul(a, b)
+
+
+def _linear_slow(x: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
+    """As :func:`_matmul_slow`, for linear."""
+    _require_tensor("input", x, "linear")
+    _require_tensor("weight", weight, "linear")
+    if bias is not None:
+        _require_tensor("bias", bias, "linear")
+    if modes.torch_only(x, weight, bias):  # under autograd / functorch: activation out of place
+        return runners.torch_linear(x, weight, bias, activation, inplace=False)
+    if not (modes.eager() and modes.plain(x, weight, bias)):
+        return torch.ops.tritonmm.linear(x, weight, bias, activation)
+    if _any_autocast():
+        dtype = _autocast_dtype(x)
+        if dtype is not None:
+            x, weight, bias = _cast(x, dtype), _cast_weight(weight, dtype), _cast_weight(bias, dtype)
+    if _needs_grad(x, weight, bias):
+        return _LinearFunction.apply(x, weight, bias, activation)
+    return runners.linear(x, weight, bias, activation)
+
+
+class _Route:
+    """A geometry that may reach a Triton kernel: ``(a, b, bias) -> Tensor``. Where only the backward
+    GEMMs would (``forward_torch``), calls that need no gradient go to torch directly."""
+
+    __slots__ = ("torch_call", "forward_torch", "op", "activation")
+
+    def __init__(self, torch_call, forward_torch: bool, op: str, activation: str):
+        self.torch_call, self.forward_torch, self.op, self.activation = torch_call, forward_torch, op, activation
+
+    def __call__(self, a, b, bias=None):
+        if self.forward_torch and not _needs_grad(a, b, bias):
+            return self.torch_call(a, b, bias) if self.op == "linear" else self.torch_call(a, b)
+        if self.op == "linear":
+            return _linear_slow(a, b, bias, self.activation)
+        return _matmul_slow(a, b)
+
+
+def _torch_linear_call(activation: str):
+    if activation == "none":
+        return F.linear
+    return lambda x, w, b: runners.torch_linear(x, w, b, activation, inplace=not _needs_grad(x, w, b))
+
+
+def _torch_matmul_call(a: Tensor, b: Tensor):
+    if b.dim() <= 2 or a.dim() >= b.dim():
+        return torch.matmul
+    return lambda x, y: torch.matmul(x, y).contiguous()  # the result is contiguous, as documented
+
+
+def _effective_dtype(t: Tensor, autocast) -> torch.dtype:
+    if autocast and t.is_floating_point() and t.dtype != torch.float64:
+        return autocast
+    return t.dtype
+
+
+def _remember(key, entry):
+    if len(_cache) >= CACHE_MAX:
+        _cache.clear()
+    _cache[key] = entry
+    return entry
+
+
+def _linear_entry(key, x: Tensor, weight: Tensor, bias, activation: str, autocast):
+    """Resolve a linear geometry (cache miss): validate, then decide its forward and backward GEMMs."""
+    if autocast:  # validate as F.linear would see the operands: cast
+        shapes.check_linear(_cast(x, autocast), _cast(weight, autocast), _cast(bias, autocast), activation)
+    else:
+        shapes.check_linear(x, weight, bias, activation)
+    N, K = weight.shape
+    M = math.prod(x.shape[:-1])
+    dtype = _effective_dtype(x, autocast)
+    fwd = dispatch.torch_everywhere([(M, N, K, 1)], dtype, x.device)
+    bwd = fwd and dispatch.torch_everywhere([(M, K, N, 1), (N, K, M, 1)], dtype, x.device)
+    call = _torch_linear_call(activation)
+    return _remember(key, call if bwd else _Route(call, fwd, "linear", activation))
+
+
+def _matmul_problems(a: Tensor, b: Tensor) -> list:
+    """Every (M, N, K, batch) the forward and backward GEMMs of ``a @ b`` can become (folded or batched)."""
+    a_shape = (1, *a.shape) if a.dim() == 1 else tuple(a.shape)
+    b_shape = (*b.shape, 1) if b.dim() == 1 else tuple(b.shape)
+    M, K = a_shape[-2:]
+    N = b_shape[-1]
+    batch = math.prod(torch.broadcast_shapes(a_shape[:-2], b_shape[:-2]))
+    fwd = [(M, N, K, batch), (M * batch, N, K, 1)]
+    bwd = [(M, K, N, batch), (M * batch, K, N, 1), (K, N, M, batch), (K, N, M * batch, 1)]
+    return fwd, bwd
+
+
+def _matmul_entry(key, a: Tensor, b: Tensor, autocast):
+    """Resolve a matmul geometry (cache miss), as :func:`_linear_entry`."""
+    shapes.check_inputs(_cast(a, autocast), _cast(b, autocast)) if autocast else shapes.check_inputs(a, b)
+    fwd_problems, bwd_problems = _matmul_problems(a, b)
+    dtype = _effective_dtype(a, autocast)
+    fwd = dispatch.torch_everywhere(fwd_problems, dtype, a.device)
+    bwd = fwd and dispatch.torch_everywhere(bwd_problems, dtype, a.device)
+    call = _torch_matmul_call(a, b)
+    return _remember(key, call if bwd else _Route(call, fwd, "matmul", "none"))
 
 
 def _require_tensor(name: str, value, op: str) -> None:
@@ -24,101 +228,8 @@ def _require_tensor(name: str, value, op: str) -> None:
         raise TypeError(f"tritonmm.{op}(): argument '{name}' must be Tensor, not {type(value).__name__}")
 
 
-def _torch_only(*tensors) -> bool:
-    """Whether this call must be answered by torch itself: functorch transforms (vmap, grad, jvp, ...),
-    forward-mode AD (``torch.autograd.forward_ad``), batched gradients (the older vmap of
-    ``is_grads_batched=True`` / ``vectorize=True``) or nested tensors. The custom ops support none
-    of them, while torch.matmul / F.linear support them all."""
-    if _functorch_active() or _fw_ad._current_level >= 0:
-        return True
-    compiling = torch.compiler.is_compiling()  # (Dynamo cannot trace the legacy-batched check)
-    for t in tensors:
-        if t is not None and (t.is_nested or not compiling and _legacy_batched(t)):
-            return True
-    return False
-
-
-def _eager() -> bool:
-    """Whether the call is plain eager mode: no torch.compile or jit tracing, no torch function or
-    dispatch mode. Only then may the calls below skip the torch.library op."""
-    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:  # compile, jit.trace
-        return False
-    return not (torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
-
-
-def _eager_fast_path(*tensors) -> bool:
-    """Whether the op's implementation can be called directly, skipping the dispatcher's Python layers.
-
-    True only when the dispatcher would add nothing: plain tensors that need no gradient and no
-    autocast (called in :func:`_eager` mode, after :func:`_torch_only`, which takes functorch
-    transforms). The result is the same either way; this saves tens of µs per call.
-    """
-    if _any_autocast():  # (functorch transforms never get here: see _torch_only)
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or grad and t.requires_grad):
-            return False
-    return True
-
-
-_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA) | torch._C.DispatchKeySet(
-    torch._C.DispatchKey.AutocastCPU)
-
-
-def _eager_autograd_path(*tensors) -> bool:
-    """Whether the call can run as a plain ``torch.autograd.Function`` instead of the custom op: plain
-    tensors on CPU or CUDA (called in :func:`_eager` mode), with autograd and/or autocast involved
-    (else :func:`_eager_fast_path` applies).
-
-    The Function runs the same implementation and the same gradient formulas (:mod:`tritonmm.ops`)
-    and casts under autocast as the op's autocast rule does; it skips the torch.library dispatcher's
-    Python layers, which cost 40-150 µs per call and per backward on a CPU host (more on the H200's).
-    """
-    for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or t.device.type not in ("cpu", "cuda")):
-            return False
-    return True
-
-
-def _autocast_inputs(tensors):
-    """The inputs as the op's autocast rule would pass them on (floating, not float64, cast to the
-    autocast dtype of their device type), or unchanged outside autocast."""
-    device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(ops._autocast_cast(t, dtype) for t in tensors)
-
-
-class _MatmulFunction(torch.autograd.Function):
-    """``tritonmm::matmul`` for eager autograd/autocast calls (see :func:`_eager_autograd_path`)."""
-
-    @staticmethod
-    def forward(ctx, a, b):  # ctx-style forward: Function.apply binds no signature per call
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):  # the op's implementation runs below autocast
-            out = engine.matmul(a, b)
-        ops._matmul_setup_context(ctx, (a, b), out)
-        return out
-
-    backward = staticmethod(ops._matmul_backward)
-
-
-class _LinearFunction(torch.autograd.Function):
-    """``tritonmm::linear`` for eager autograd/autocast calls (see :func:`_eager_autograd_path`)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, activation):
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
-            out = engine.linear(x, weight, bias, activation)
-        ops._linear_setup_context(ctx, (x, weight, bias, activation), out)
-        return out
-
-    backward = staticmethod(ops._linear_backward)
-
-
 def matmul(input: Tensor, other: Tensor) -> Tensor:
-    """Matrix product with ``torch.matmul`` semantics; the GEMM runs in an autotuned Triton kernel.
+    """Matrix product with ``torch.matmul`` semantics; the GEMM runs in a Triton kernel or cuBLAS.
 
     Args:
         input (Tensor): A, (K,), (M, K) or (*batch_a, M, K); float16, bfloat16 or float32 for the
@@ -136,26 +247,29 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
         RuntimeError: devices differ, dtypes differ (no promotion), an operand is 0-D,
             inner dims differ, or batch dims do not broadcast.
 
-    Falls back to torch.matmul (cuBLAS) where :func:`explain` says so: CPU tensors (outside
-    ``TRITON_INTERPRET=1``), unsupported dtypes, fp32 without TF32, tiny problems, batched
-    GEMMs, and shapes where the tuned table measured cuBLAS faster. Sparse, nested, neg-bit
+    Falls back to torch.matmul (cuBLAS) where :func:`explain` says so. Sparse, nested, neg-bit
     and zero tensors, functorch transforms and forward-mode AD are handed to torch.matmul itself.
     """
-    a, b = input, other
-    _require_tensor("input", a, "matmul")
-    _require_tensor("other", b, "matmul")
-    if _torch_only(a, b):
-        return torch.matmul(a, b)
-    if _eager():
-        if _eager_fast_path(a, b):
-            return engine.matmul(a, b)
-        if _eager_autograd_path(a, b):
-            return _MatmulFunction.apply(*_autocast_inputs((a, b)))
-    return torch.ops.tritonmm.matmul(a, b)
+    if _is_compiling():
+        return _matmul_slow(input, other)
+    try:
+        key = (input.shape, other.shape, input.dtype, other.dtype, input.get_device(),
+               _any_autocast() and _autocast_dtype(input), _forced(), env_state(),
+               _fp32_precision() if input.dtype is _F32 else None)
+    except (AttributeError, RuntimeError, TypeError):  # not tensors, nested tensors: every check
+        return _matmul_slow(input, other)
+    fn = _cache.get(key)
+    if fn is None:
+        _require_tensor("input", input, "matmul")
+        _require_tensor("other", other, "matmul")
+        if modes.torch_only(input, other) or not modes.plain(input, other):
+            return _matmul_slow(input, other)
+        fn = _matmul_entry(key, input, other, key[5])
+    return fn(input, other)
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
-    """``activation(F.linear(x, weight, bias))`` as one GEMM with a fused epilogue.
+    """``activation(F.linear(x, weight, bias))``; on the Triton path one GEMM with a fused epilogue.
 
     Args:
         input (Tensor): x, (*, K), float16/bfloat16/float32; any leading shape and strides.
@@ -174,20 +288,24 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
 
     Under ``torch.autocast`` the inputs are cast to the autocast dtype as F.linear's are.
     """
-    x = input
-    _require_tensor("input", x, "linear")
-    _require_tensor("weight", weight, "linear")
-    if bias is not None:
-        _require_tensor("bias", bias, "linear")
-    if _torch_only(x, weight, bias):  # under autograd / functorch: activation out of place
-        return engine.torch_linear(x, weight, bias, activation, inplace=False)
-    if _eager():
-        if _eager_fast_path(x, weight, bias):
-            return engine.linear(x, weight, bias, activation)
-        if _eager_autograd_path(x, weight, bias):
-            x, weight, bias = _autocast_inputs((x, weight, bias))
-            return _LinearFunction.apply(x, weight, bias, activation)
-    return torch.ops.tritonmm.linear(x, weight, bias, activation)
+    if _is_compiling():
+        return _linear_slow(input, weight, bias, activation)
+    try:
+        key = (input.shape, weight.shape, input.dtype, weight.dtype, input.get_device(), activation,
+               _any_autocast() and _autocast_dtype(input), _forced(), env_state(),
+               _fp32_precision() if input.dtype is _F32 else None)
+    except (AttributeError, RuntimeError, TypeError):
+        return _linear_slow(input, weight, bias, activation)
+    fn = _cache.get(key)
+    if fn is None:
+        _require_tensor("input", input, "linear")
+        _require_tensor("weight", weight, "linear")
+        if bias is not None:
+            _require_tensor("bias", bias, "linear")
+        if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias):
+            return _linear_slow(input, weight, bias, activation)
+        fn = _linear_entry(key, input, weight, bias, activation, key[6])
+    return fn(input, weight, bias)
 
 
 def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
@@ -206,15 +324,25 @@ def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
     """
     _require_tensor("a", a, "explain")
     _require_tensor("b", b, "explain")
-    if _torch_only(a, b):
+    if modes.torch_only(a, b):
         return dispatch.Decision("torch", None, "functorch transform, forward-mode AD or nested tensor: "
                                                 "torch.matmul itself serves the call")
-    if engine._unusual(a) or engine._unusual(b):
+    if modes.unusual(a) or modes.unusual(b):
         return dispatch.Decision("torch", None, "sparse, neg-bit (e.g. x.conj().imag) or zero tensor: "
                                                 "torch.matmul itself serves the call")
     if _any_autocast():
-        a, b = _autocast_inputs((a, b))
-    return engine.lookup(a, b, None, "none", "matmul").decision
+        dtype = _autocast_dtype(a)
+        if dtype is not None:
+            a, b = _cast(a, dtype), _cast(b, dtype)
+    return runners.lookup(a, b, None, "none", "matmul").decision
 
 
-__all__ = ["explain", "linear", "matmul", "ops"]
+def clear_cache() -> None:
+    """Forget every cached decision, runner and weight cast (e.g. after installing a new tuned table)
+    and free this thread's workspace buffers."""
+    _cache.clear()
+    _weight_casts.clear()
+    runners.clear_cache()
+
+
+__all__ = ["clear_cache", "explain", "linear", "matmul"]

@@ -1,4 +1,4 @@
-"""The one place that decides, per call, between the Triton kernels and torch.matmul (cuBLAS).
+"""The one place that decides between the Triton kernels and torch.matmul (cuBLAS).
 
 ``decide`` returns a :class:`Decision` with its reason; ``tritonmm.explain(a, b)`` shows it.
 Rules, in order (first match wins):
@@ -8,19 +8,20 @@ Rules, in order (first match wins):
    ``TRITON_INTERPRET=1`` CPU tensors take the Triton path (CI tests the kernel itself).
 2. empty problems (M, N or batch = 0; K = 0) -> no launch.
 3. a forced backend (``TRITONMM_BACKEND`` or :func:`force_backend`).
-4. a measured winner from the tuned table of this GPU (``configs/tuned/*.json``).
-5. 2-D problems with a leading dimension that is not 16-byte aligned (4095, 4097, ...),
-   large (``PAD_MIN_FLOPS``) and math-bound (arithmetic intensity >= ``PAD_MIN_INTENSITY``
-   FLOP/byte) enough to pay for copies -> cuBLAS on zero-padded aligned copies
-   (``kernel="padded"``, :mod:`tritonmm.padded`: 4.1x torch.matmul on 4097³ bfloat16, H200).
-6. problems too small to pay for a launch (< ``MIN_FLOPS``), batched GEMMs, float32
-   (TF32) GEMMs and everything else -> cuBLAS.
+4. a measured winner from the tuned table of this GPU (``configs/tuned/*.json``, :mod:`tritonmm.tuned`).
+5. 2-D problems with a leading dimension that is not 16-byte aligned, at least ``PAD_MIN_FLOPS``
+   and math-bound (at least ``PAD_MIN_INTENSITY`` FLOP/byte) -> cuBLAS on zero-padded aligned
+   copies (``kernel="padded"``, :mod:`tritonmm.padded`).
+6. everything else (below ``MIN_FLOPS``, batched, float32 with TF32, not in the table) -> cuBLAS.
 
 Forcing "torch" with kernel "padded" takes the padded path wherever a leading dimension is
 unaligned. Forcing "triton" skips rules 4-6 and picks the kernel by shape: persistent TMA for 2-D
 problems on Hopper (copying unaligned operands when large enough), split-K when small M
 leaves SMs idle, the pointer kernel otherwise. Under ``TRITON_INTERPRET=1`` CPU tensors
 always take that kernel choice, so CI runs the kernels themselves.
+
+:func:`torch_everywhere` answers, from sizes alone, whether every layout of a problem goes to
+torch.matmul: the per-call fast path (:mod:`tritonmm.api`) then calls torch directly.
 """
 
 from __future__ import annotations
@@ -32,26 +33,29 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import padded
+from . import device as _device
 from . import tuned as _tuned
 from ._env import autotune_enabled, interpreting
+from .kernels.configs import validate
+from .layout import padded_shape, tma_copies
 from .shapes import Plan
 
 BACKENDS = ("auto", "triton", "torch")
 KERNELS = ("auto", "tma", "pointer", "splitk", "padded")
 _ALIASES = {"cublas": "torch"}
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_FLOPS = 2 * 128**3  # below this a launch from Python costs more than the math (µs scale)
-PAD_MIN_FLOPS = 2 * 2048**3  # auto: unaligned operands go to cuBLAS on padded copies above this
-"""The padded path cost 147-169 µs of host time per call on the H200 machine's host (three copy launches,
-the GEMM, workspace views; torch.matmul 21-36 µs), measured before its workspace views were cached.
-cuBLAS's unaligned GEMM takes about that long near 2048³ (bfloat16 2305³: 230 µs, about 160 µs at 2048³
-scaled by FLOP), so from there on the padded path is faster even when the host, not the GPU, sets the
-pace; below it, it is expected to be faster on the GPU but can be several times slower end to end in a
-host-bound loop (1025³: 147 µs of host time against 21 µs for torch.matmul)."""
-TMA_COPY_MIN_FLOPS = 2 * 512**3  # forced Triton: unaligned operands are copied for the TMA kernel above this
-PAD_MIN_INTENSITY = 256  # FLOP/byte: below it the GEMM is memory-bound and a copy costs more than it saves
-SMALL_M = 64  # at or below: memory-bound (weight streaming), pointer or split-K kernel
+MIN_FLOPS = 2 * 128**3
+"""FLOP below which a GEMM goes to cuBLAS: a launch from Python costs more than the math."""
+PAD_MIN_FLOPS = 2 * 2048**3
+"""FLOP from which unaligned 2-D problems take the padded path automatically. Its copies cost host
+time (three copy launches besides the GEMM); from this size on cuBLAS's unaligned GEMM takes longer
+than that (``benchmarks/h200.json``, tag ``odd``)."""
+TMA_COPY_MIN_FLOPS = 2 * 512**3
+"""FLOP from which forced Triton copies unaligned operands for the TMA kernel (the pointer kernel below)."""
+PAD_MIN_INTENSITY = 256
+"""FLOP/byte below which a GEMM is memory-bound and an operand copy costs more than it saves."""
+SMALL_M = 64
+"""M at or below which a GEMM is memory-bound (weight streaming): pointer or split-K kernel."""
 
 _forced: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("tritonmm_forced", default=None)
 
@@ -155,9 +159,7 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
         raise ValueError("a forced config needs a forced kernel")
     _check_combination(backend, kernel, config, "force_backend")
     if config is not None:
-        from .kernels import configs as _cfg
-
-        _cfg.validate(kernel, config)
+        validate(kernel, config)
     frozen = tuple(sorted(config.items())) if config is not None else None  # hashable: part of cache keys
     with forcing_as((backend, kernel, frozen)):
         yield
@@ -174,19 +176,7 @@ def forcing_as(state):
         _forced.reset(token)
 
 
-def _has_tma(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return interpreting()
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _capability(plan: Plan, dtype: torch.dtype, device: torch.device) -> str | None:
+def _capability(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the Triton kernels cannot serve this call at all, or None."""
     if device.type == "cpu":
         if not interpreting():
@@ -195,16 +185,9 @@ def _capability(plan: Plan, dtype: torch.dtype, device: torch.device) -> str | N
         return f"device type {device.type!r} is not served by the Triton kernels"
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} is not supported by the Triton kernels (float16, bfloat16, float32 are)"
-    if dtype == torch.float32 and device.type == "cuda" and torch.get_float32_matmul_precision() == "highest":
+    if dtype == torch.float32 and device.type == "cuda" and not _device.tf32(dtype, device):
         return "float32 with TF32 disabled (float32 matmul precision 'highest'): cuBLAS keeps full fp32 precision"
     return None
-
-
-def tma_copies(plan: Plan) -> tuple:
-    """The operands ("a", "b") of a 2-D plan that TMA cannot read in place and must copy."""
-    from .kernels import matmul as km
-
-    return tuple(n for n, t in (("a", plan.a4[0, 0]), ("b", plan.b4[0, 0])) if not km.tma_compatible(t))
 
 
 def _kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, str, tuple]:
@@ -214,7 +197,7 @@ def _kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, st
     if want != "auto":
         if want in ("tma", "splitk") and not two_d:
             return "pointer", f"{want} takes one 2-D GEMM; batched ({batch}) runs the pointer kernel", ()
-        if want == "tma" and not _has_tma(device):
+        if want == "tma" and not _device.has_tma(device):
             return "pointer", "TMA needs compute capability 9.0+; pointer kernel", ()
         if want != "tma":
             return want, f"kernel forced to {want}", ()
@@ -224,10 +207,10 @@ def _kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, st
         return "pointer", f"batched GEMM ({batch} x {M}x{N}x{K}): pointer kernel with a batch grid axis", ()
     if M <= SMALL_M:
         tiles = -(-M // 16) * -(-N // 64)
-        if tiles < _num_sms(device) and K >= 1024:
+        if tiles < _device.num_sms(device) and K >= 1024:
             return "splitk", f"M={M} leaves SMs idle ({tiles} tiles): split-K over K={K}", ()
         return "pointer", f"M={M} is memory-bound: pointer kernel with small BLOCK_M", ()
-    if not _has_tma(device):
+    if not _device.has_tma(device):
         return "pointer", "no TMA before compute capability 9.0: pointer kernel", ()
     copies = tma_copies(plan)
     if copies and 2 * M * N * K < TMA_COPY_MIN_FLOPS:
@@ -242,7 +225,7 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
         ValueError: a forcing environment variable holds an unknown value.
     """
     backend, kernel, config = forced()  # first: a bad environment value is reported for every call
-    why_not = _capability(plan, dtype, device)
+    why_not = _capability(dtype, device)
     if why_not:
         return Decision("torch", None, why_not)
     M, N, K, batch = plan.M, plan.N, plan.K, plan.batch
@@ -252,7 +235,7 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
         return Decision("triton", "none", "K = 0: the result is zeros (plus bias), no launch")
     if backend == "torch":
         if kernel == "padded":
-            if padded.padded_shape(plan, dtype) is not None:
+            if padded_shape(plan, dtype) is not None:
                 return Decision("torch", "padded", "forced: cuBLAS on zero-padded aligned copies")
             return Decision("torch", None, "backend forced to torch (nothing to pad: aligned operands, or a "
                                            "batched problem, which the padded path does not take)")
@@ -265,19 +248,64 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
         k, reason, copies = _kernel_choice(plan, device, kernel)
         return Decision("triton", k, f"TRITON_INTERPRET=1: CPU tensors run in Triton's interpreter; {reason}",
                         copies=copies)
-    entry = _tuned.lookup(device, dtype, plan)
+    entry = _from_table(device, dtype, plan)
     if entry is not None:
         return entry
     flops = 2 * M * N * K * batch
     intensity = flops / (dtype.itemsize * (M * K + K * N + M * N))
-    if flops >= PAD_MIN_FLOPS and intensity >= PAD_MIN_INTENSITY and padded.padded_shape(plan, dtype) is not None:
-        return Decision("torch", "padded", "unaligned leading dimension: cuBLAS on zero-padded aligned copies "
-                                           "(cuBLAS is about 5x slower on unaligned rows)")
+    if flops >= PAD_MIN_FLOPS and intensity >= PAD_MIN_INTENSITY and padded_shape(plan, dtype) is not None:
+        return Decision("torch", "padded", "unaligned leading dimension, large and math-bound: cuBLAS on "
+                                           "zero-padded aligned copies")
     if flops < MIN_FLOPS:
         return Decision("torch", None, f"{flops / 1e6:.2f} MFLOP is too small to pay for a Triton launch")
     if batch > 1:
         return Decision("torch", None, f"batched GEMM ({batch} x {M}x{N}x{K}): cuBLAS strided-batched")
     if dtype == torch.float32:
-        return Decision("torch", None, "float32 (TF32): cuBLAS measured 2-3x faster than the Triton kernels (H200)")
-    return Decision("torch", None, "not in this GPU's tuned table: cuBLAS, which the Triton kernels did not beat "
-                                   "on aligned shapes in the H200 measurements")
+        return Decision("torch", None, "float32 (TF32) not in this GPU's tuned table: cuBLAS")
+    return Decision("torch", None, "not in this GPU's tuned table: cuBLAS")
+
+
+def _from_table(device: torch.device, dtype: torch.dtype, plan: Plan) -> Decision | None:
+    """The tuned table's winner for this problem on this GPU as a Decision, or None."""
+    e = _tuned.entry(device, dtype, plan)
+    if e is None:
+        return None
+    ratio = e["torch_us"] / e["triton_us"] if e.get("triton_us") else 0.0
+    if e["backend"] == "torch":
+        if e.get("kernel") == "padded":
+            if padded_shape(plan, dtype) is not None:
+                return Decision("torch", "padded", f"tuned table: cuBLAS on zero-padded aligned copies measured "
+                                                   f"{ratio:.2f}x torch.matmul")
+            return Decision("torch", None, "tuned table: cuBLAS (operands already aligned)")
+        if ratio >= 1.0:  # Triton measured faster, by less than the tuner's --min-gain/--min-gain-us
+            return Decision("torch", None, f"tuned table: cuBLAS kept (Triton measured {ratio:.2f}x, inside the "
+                                           f"tuner's margin)")
+        return Decision("torch", None, f"tuned table: cuBLAS measured faster (Triton {ratio:.2f}x)")
+    copies = tma_copies(plan) if e["kernel"] == "tma" else ()
+    return Decision("triton", e["kernel"], f"tuned table: measured {ratio:.2f}x cuBLAS", config=e["config"], copies=copies)
+
+
+def torch_everywhere(problems, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`decide` gives plain torch.matmul for every (M, N, K, batch) in ``problems``
+    whatever the operands' strides and alignment (False when unsure: the caller then decides per call).
+
+    Raises:
+        ValueError: a forcing environment variable holds an unknown value.
+    """
+    backend, kernel, _ = forced()
+    if _capability(dtype, device):
+        return True
+    if backend == "torch":
+        return kernel != "padded"
+    if backend == "triton" or device.type != "cuda":
+        return False
+    for M, N, K, batch in problems:
+        if 0 in (M, N, K, batch):
+            return False  # no launch: the runner builds the result itself
+        if batch == 1:
+            if _tuned.has_kernel(device, dtype, M, N, K):
+                return False
+            flops = 2 * M * N * K
+            if flops >= PAD_MIN_FLOPS and flops / (dtype.itemsize * (M * K + K * N + M * N)) >= PAD_MIN_INTENSITY:
+                return False
+    return True

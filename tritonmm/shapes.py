@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .activations import ACTIVATIONS
+
 
 def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str = "matmul") -> None:
     """Raise as torch.matmul does for operands it refuses.
@@ -47,6 +49,32 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str = "matmul") -> None:
         raise RuntimeError(
             f"tritonmm.{op}: batch dimensions of {tuple(a.shape)} and {tuple(b.shape)} cannot be broadcast"
         ) from None
+
+
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -> None:
+    """Raise as F.linear does (plus an unknown activation).
+
+    Raises:
+        TypeError: x or weight is not a Tensor.
+        ValueError: ``activation`` is not one of :data:`tritonmm.activations.ACTIVATIONS`.
+        RuntimeError: devices or dtypes differ, x is 0-D, weight is not 2-D, or sizes mismatch.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"tritonmm.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"tritonmm.linear: argument 'weight' must be Tensor, not {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise RuntimeError(f"tritonmm.linear: weight must be 2-D (out_features, in_features), got {tuple(weight.shape)}")
+    check_inputs(x, weight.t(), op="linear")
+    if bias is not None:
+        if bias.device != x.device or bias.dtype != x.dtype:
+            raise RuntimeError(
+                f"tritonmm.linear: bias ({bias.dtype}, {bias.device}) must match input ({x.dtype}, {x.device})"
+            )
+        if tuple(bias.shape) not in ((), (1,), (weight.shape[0],)):
+            raise RuntimeError(
+                f"tritonmm.linear: bias of shape {tuple(bias.shape)} does not match out_features {weight.shape[0]}"
+            )
 
 
 def output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:

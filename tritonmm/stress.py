@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     if not args.autotune:
         os.environ.setdefault("TRITONMM_AUTOTUNE", "0")
     import tritonmm
-    from tritonmm import engine
+    from tritonmm import runners
 
     torch.set_float32_matmul_precision("high")  # float32 problems use TF32, in torch.matmul and in tritonmm
     device = torch.device("cuda" if gpu else "cpu")
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
         "peak_memory_bytes": peak, "memory_growth_bytes": growth,
         "warmup_s": round(warm_s, 1), "elapsed_s": round(elapsed, 1),
         "paths": {k: v for k, v in sorted(counts.items()) if k != "calls"},
-        "engine_cache_entries": len(engine._cache),
+        "runner_cache_entries": len(runners._cache),
         "first_mismatches": mismatches[:10], "first_errors": errors[:10],
     }
     print(f"calls made: {summary['calls']} ({args.threads} threads, {summary['streams']} streams, "

@@ -22,24 +22,17 @@ import warnings
 
 import torch
 
+from . import layout
+from .kernels.configs import bucket, config_dir, validate
 from .shapes import Plan
 
 FORMAT = 1
 _SIBLING = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16}
 
 
-def layout_tag(plan: Plan) -> str:
-    """Two letters, A then B: 'n' = row-major (unit stride along the last dim), 't' = transposed."""
-    a, b = plan.a4, plan.b4
-    return ("n" if a.stride(3) == 1 else "t") + ("n" if b.stride(3) == 1 else "t")
-
-
 def m_key(M: int) -> int:
     """The M part of a table key: 1 for M = 1 (a GEMV, where cuBLAS and the Triton kernels rank
-    differently than at M = 16: H200, llama8b o row, split-K 0.98x cuBLAS at M = 1 and 1.02x at 16),
-    else the autotune bucket (:func:`configs.bucket`)."""
-    from .kernels.configs import bucket
-
+    differently than at M = 2-16), else the autotune bucket (:func:`configs.bucket`)."""
     return 1 if M == 1 else bucket(M)
 
 
@@ -55,8 +48,6 @@ def lookup_keys(dtype: torch.dtype, M: int, N: int, K: int, layout: str) -> list
     """Keys tried for a problem, in order: its own M key, then (M = 1) the bucket M = 1 shared with
     2-16 in tables written before M = 1 had its own key; each in ``dtype``, then in its sibling
     (float16 and bfloat16 run the same kernels at the same speed)."""
-    from .kernels.configs import bucket
-
     ms = [m_key(M)] + ([bucket(M)] if bucket(M) != m_key(M) else [])
     dtypes = [dtype] + ([_SIBLING[dtype]] if dtype in _SIBLING else [])
     return [_key(d, m, N, K, layout) for m in ms for d in dtypes]
@@ -76,15 +67,11 @@ def table_name(sig: dict, name: str) -> str:
 
 
 def tuned_dir() -> pathlib.Path:
-    from .kernels.configs import config_dir
-
     return config_dir() / "tuned"
 
 
 def _check_entry(key, e) -> None:
     """Raise ValueError unless ``e`` is a well-formed table entry (configs are data: ints under known names)."""
-    from .kernels import configs as _cfg
-
     if not isinstance(e, dict) or e.get("backend") not in ("torch", "triton"):
         raise ValueError(f"entry {key!r}: backend must be 'torch' or 'triton'")
     for timing in ("torch_us", "triton_us"):
@@ -92,7 +79,7 @@ def _check_entry(key, e) -> None:
             raise ValueError(f"entry {key!r}: {timing} is not a number")
     if e["backend"] == "triton" or e.get("config") is not None:  # a torch entry names its fastest Triton config
         try:
-            _cfg.validate(e.get("kernel"), e.get("config"))
+            validate(e.get("kernel"), e.get("config"))
         except ValueError as exc:
             raise ValueError(f"entry {key!r}: {exc}") from None
 
@@ -146,41 +133,31 @@ def _table_for(index: int) -> dict:
     return entries
 
 
+def _entries(device: torch.device) -> dict:
+    return _table_for(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def has_kernel(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int) -> bool:
+    """Whether this GPU's table sends an M x N x K problem, in any operand layout, to a Triton kernel
+    or to the padded path."""
+    entries = _entries(device)
+    return bool(entries) and any(
+        e.get("backend") == "triton" or e.get("kernel") == "padded"
+        for lay in ("nn", "nt", "tn", "tt") for k in lookup_keys(dtype, M, N, K, lay)
+        if (e := entries.get(k)) is not None)
+
+
 def entry(device: torch.device, dtype: torch.dtype, plan: Plan) -> dict | None:
     """This GPU's table entry for the problem (keys in :func:`lookup_keys` order: float16 and bfloat16
     stand in for each other, M = 1 falls back to the M <= 16 bucket), or None.
     Its ``kernel`` and ``config`` name the fastest Triton candidate measured even where cuBLAS won."""
     if plan.batch != 1:
         return None
-    entries = _table_for(device.index if device.index is not None else torch.cuda.current_device())
+    entries = _entries(device)
     if not entries:
         return None
-    for key in lookup_keys(dtype, plan.M, plan.N, plan.K, layout_tag(plan)):
+    for key in lookup_keys(dtype, plan.M, plan.N, plan.K, layout.tag(plan)):
         e = entries.get(key)
         if e is not None:
             return e
     return None
-
-
-def lookup(device: torch.device, dtype: torch.dtype, plan: Plan):
-    """The measured winner for this problem on this GPU as a Decision, or None."""
-    e = entry(device, dtype, plan)
-    if e is None:
-        return None
-    from .dispatch import Decision, tma_copies
-
-    ratio = e["torch_us"] / e["triton_us"] if e.get("triton_us") else 0.0
-    if e["backend"] == "torch":
-        if e.get("kernel") == "padded":
-            from .padded import padded_shape
-
-            if padded_shape(plan, dtype) is not None:
-                return Decision("torch", "padded", f"tuned table: cuBLAS on zero-padded aligned copies measured "
-                                                   f"{ratio:.2f}x torch.matmul")
-            return Decision("torch", None, "tuned table: cuBLAS (operands already aligned)")
-        if ratio >= 1.0:  # Triton measured faster, by less than the tuner's --min-gain/--min-gain-us
-            return Decision("torch", None, f"tuned table: cuBLAS kept (Triton measured {ratio:.2f}x, inside the "
-                                           f"tuner's margin)")
-        return Decision("torch", None, f"tuned table: cuBLAS measured faster (Triton {ratio:.2f}x)")
-    copies = tma_copies(plan) if e["kernel"] == "tma" else ()
-    return Decision("triton", e["kernel"], f"tuned table: measured {ratio:.2f}x cuBLAS", config=e["config"], copies=copies)

@@ -156,15 +156,6 @@ def split_useful(M: int, N: int, K: int, cfg: dict[str, int], num_sms: int | Non
             and splits_all_busy(K, cfg, "tma"))
 
 
-@functools.cache
-def device_limits(device_index: int) -> tuple[int, int]:
-    """(shared memory per block in bytes, SM count) of a CUDA device, read once."""
-    import triton
-
-    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
-    return int(props["max_shared_mem"]), int(props["multiprocessor_count"])
-
-
 def wave_efficiency(M: int, N: int, cfg: dict[str, int], num_sms: int, batch: int = 1) -> float:
     """Useful fraction of the launched work: tile quantization times wave quantization (0..1]."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -223,13 +214,13 @@ def split_pool_key(kernel: str, pool: list[dict[str, int]]) -> int:
     return sum(1 << i for i, c in enumerate(candidates(kernel)) if c.get("SPLIT_K", 1) > 1 and c in pool)
 
 
-def heuristic(kernel: str, M: int, N: int, K: int, itemsize: int, out_itemsize: int, device) -> dict[str, int]:
+def heuristic(kernel: str, M: int, N: int, K: int, itemsize: int, out_itemsize: int, smem_limit: int | None,
+              num_sms: int | None) -> dict[str, int]:
     """One config without benchmarking: the first of the candidates that pruning keeps, in the order
     of ``candidates.json`` (preferred first; the wave-quantization ranking only orders pools larger
     than autotuning's ``keep``, which this passes as the whole list).
 
-    Used when ``TRITONMM_AUTOTUNE=0`` and for a first launch inside CUDA graph capture.
+    Used when ``TRITONMM_AUTOTUNE=0``, under several ranks, inside CUDA graph capture and compile tracing.
     """
-    smem, sms = device_limits(device.index if device.index is not None else 0) if device.type == "cuda" else (None, 4)
     return prune(candidates(kernel), M=M, N=N, K=K, itemsize=itemsize, out_itemsize=out_itemsize,
-                 kernel=kernel, smem_limit=smem, num_sms=sms, keep=len(candidates(kernel)))[0]
+                 kernel=kernel, smem_limit=smem_limit, num_sms=num_sms, keep=len(candidates(kernel)))[0]

@@ -1,12 +1,9 @@
 """One-pass strided copy with zero padding, for the aligned operand copies of the padded and TMA paths.
 
 ``dst[r, c] = src[r, c]`` for ``r < rows, c < cols`` and ``0`` elsewhere in the (dst_rows,
-dst_cols) window of ``dst``: one kernel launch per operand instead of torch's strided
-``copy_`` plus a separate ``zero_`` of the padding. On an H200 torch's copy into a narrowed
-destination moved a 4097² bfloat16 operand in about 37 µs, about half the memory bandwidth
-(NVIDIA, *Matrix Multiplication Background*: these copies are memory-bound, so their cost
-is bytes moved over bandwidth). Under the interpreter the kernel runs on CPU tensors; on
-CPU without it :func:`copier` falls back to torch's copies.
+dst_cols) window of ``dst``: one memory-bound pass per operand instead of torch's strided
+``copy_`` plus a separate ``zero_`` of the padding. Under the interpreter the kernel runs on CPU
+tensors; on CPU without it :func:`copier` falls back to torch's copies.
 """
 
 from __future__ import annotations
@@ -16,6 +13,8 @@ import triton
 import triton.language as tl
 
 from .._env import interpreting
+from ..layout import is_col_major, tma_compatible, tma_copy_shape
+from .launch import DirectLaunch
 
 BLOCK_R = 16
 BLOCK_C = 256  # 16 x 256 elements: 8 KiB of bfloat16 a program, 16-byte vector loads along a row
@@ -57,19 +56,17 @@ class PadCopy:
         dst_window: (dst_rows, dst_cols) >= src_shape, the part of ``dst`` written.
         dst_stride: the destination's row stride in elements (its column stride is 1).
 
-    Launches go through :class:`tritonmm.kernels.matmul._DirectLaunch` (callers key geometries by
+    Launches go through :class:`tritonmm.kernels.launch.DirectLaunch` (callers key geometries by
     the 16-byte alignment of every pointer, which is all Triton specializes on).
     """
 
     def __init__(self, src_shape, src_strides, dst_window, dst_stride: int):
-        from .matmul import _DirectLaunch
-
         _check_window(src_shape, dst_window)
         rows, cols = src_shape
         dst_rows, dst_cols = dst_window
         self.ints = (rows, cols, dst_rows, dst_cols, src_strides[0], src_strides[1], dst_stride)
         grid = (triton.cdiv(dst_rows, BLOCK_R) * triton.cdiv(dst_cols, BLOCK_C),)
-        self.launch = _DirectLaunch(_pad_copy_kernel, grid, dict(BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4))
+        self.launch = DirectLaunch(_pad_copy_kernel, grid, dict(BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4))
         self.empty = dst_rows == 0 or dst_cols == 0
 
     def __call__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -125,3 +122,43 @@ def pad_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
     if not usable(dst.device):
         raise ValueError(f"pad_copy: the kernel runs on CUDA, or on CPU under TRITON_INTERPRET=1; got {dst.device}")
     PadCopy(src.shape, src.stride(), dst.shape, dst.stride(0))(src, dst)
+
+
+def tma_view(t: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` itself when TMA can read it, else a copy with 16-byte aligned rows (same major order).
+
+    The copy lives in a buffer whose rows are padded to a multiple of 16 bytes and is
+    returned as a view of the exact shape; the descriptor's bounds keep the padding
+    unread, so results are exact. Extra memory: the operand's size plus < 16 bytes a row.
+
+    Args:
+        t (Tensor): 2-D operand.
+        buf (Tensor, optional): a contiguous, 16-byte aligned buffer of :func:`tritonmm.layout.tma_copy_shape`
+            and ``t``'s dtype to copy into (e.g. from :mod:`tritonmm.workspace`); default: a new one.
+    """
+    if tma_compatible(t):
+        return t
+    col = is_col_major(t)
+    src = t.mT if col else t  # (outer, inner), unit stride along inner once copied
+    inner = src.shape[1]
+    if buf is None:
+        buf = torch.empty(tma_copy_shape(t), dtype=t.dtype, device=t.device)
+    buf = buf[:, :inner]
+    buf.copy_(src)
+    return buf.mT if col else buf
+
+
+def tma_copier(t: torch.Tensor):
+    """A function ``(x, buf) -> view`` doing :func:`tma_view`'s copy for operands of ``t``'s geometry,
+    through :func:`copier` (built once per geometry). ``buf`` is as in :func:`tma_view`."""
+    col = is_col_major(t)
+    src = t.mT if col else t
+    rows, inner = src.shape
+    pc = copier((rows, inner), src.stride(), (rows, inner), tma_copy_shape(t)[1], t.device)
+
+    def copy(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        pc(x.mT if col else x, buf)
+        view = buf[:, :inner]
+        return view.mT if col else view
+
+    return copy

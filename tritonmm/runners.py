@@ -1,16 +1,16 @@
-"""The per-call hot path: call -> (cached) decision and launcher -> kernel.
+"""Runners: the implementation of the ops, one cached runner per operand geometry.
 
 The first call with a given geometry (shapes, strides, dtypes, devices, 16-byte alignment of
 every operand, bias, activation, forcing state, float32 precision) validates the operands, builds the plan,
-asks the dispatcher and builds a launcher; later calls with the same geometry only allocate
-the output and launch. The cache is bounded (``CACHE_MAX`` entries, then cleared) and holds
-no tensors.
+asks the dispatcher and builds a runner (a launcher, the padded path or torch); later calls with the
+same geometry only allocate the output and launch. The cache is bounded (``CACHE_MAX`` entries,
+then cleared) and holds no tensors. No autograd here: :mod:`tritonmm.api` and :mod:`tritonmm.ops`
+wrap these functions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from typing import Callable, Optional
 
@@ -19,19 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import activations, dispatch, padded, shapes, workspace
+from ._env import env_state
+from .layout import tma_copy_layout, tma_copy_shape, tma_layout
 
 CACHE_MAX = 4096
 _cache: dict = {}
-_ENV = ("TRITONMM_BACKEND", "TRITONMM_KERNEL", "TRITONMM_AUTOTUNE", "TRITON_INTERPRET", "TRITONMM_CONFIG_DIR")
-_environ_data = getattr(os.environ, "_data", None)  # CPython's raw (encoded) environment: ~10x faster reads
-if isinstance(_environ_data, dict) and all(isinstance(k, bytes) for k in list(_environ_data)[:1]):
-    _ENV_KEYS = tuple(os.fsencode(k) for k in _ENV)
-
-    def _env_state() -> tuple:
-        return tuple(map(_environ_data.get, _ENV_KEYS))
-else:  # pragma: no cover - non-POSIX environments
-    def _env_state() -> tuple:
-        return tuple(map(os.environ.get, _ENV))
 
 
 alloc = torch.empty  # output allocator; tests swap in a NaN-filling one to catch unwritten tiles
@@ -57,7 +49,7 @@ def _key(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: str)
         op, a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device, b.device,
         a.data_ptr() & 15, b.data_ptr() & 15,
         None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15),
-        activation, dispatch._forced.get(), _env_state(), torch.get_float32_matmul_precision(),
+        activation, dispatch._forced.get(), env_state(), torch.get_float32_matmul_precision(),
     )
 
 
@@ -78,7 +70,8 @@ def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, 
             return out
         return run_empty
 
-    from .kernels import matmul as km
+    from .kernels import copy as copy_kernel
+    from .kernels import launchers
 
     M, N, K = plan.M, plan.N, plan.K
     bias_stride = None if bias is None else (bias.stride(0) if bias.dim() == 1 and bias.shape[0] == N else 0)
@@ -87,14 +80,14 @@ def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, 
     if decision.kernel == "tma":
         a2, b2 = plan.a4[0, 0], plan.b4[0, 0]
         copy_a, copy_b = "a" in decision.copies, "b" in decision.copies
-        la = km.tma_copy_layout(a2) if copy_a else km.tma_layout(a2)
-        lb = km.tma_copy_layout(b2) if copy_b else km.tma_layout(b2)
-        launch = km.tma_launcher(M, N, K, *la, *lb, dtype, device, bias_stride, activation, decision.config)
+        la = tma_copy_layout(a2) if copy_a else tma_layout(a2)
+        lb = tma_copy_layout(b2) if copy_b else tma_layout(b2)
+        launch = launchers.tma_launcher(M, N, K, *la, *lb, dtype, device, bias_stride, activation, decision.config)
         sa, sb = a2.stride(), b2.stride()
 
-        copy_specs = [(km.tma_copy_shape(t), dtype) for t, c in ((a2, copy_a), (b2, copy_b)) if c]
-        copy_a_fn = km.tma_copier(a2) if copy_a else None
-        copy_b_fn = km.tma_copier(b2) if copy_b else None
+        copy_specs = [(tma_copy_shape(t), dtype) for t, c in ((a2, copy_a), (b2, copy_b)) if c]
+        copy_a_fn = copy_kernel.tma_copier(a2) if copy_a else None
+        copy_b_fn = copy_kernel.tma_copier(b2) if copy_b else None
 
         def operands(a, b):  # aligned copies go to the reused workspace (see tritonmm.workspace)
             if not copy_specs:
@@ -106,7 +99,7 @@ def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, 
                 b = copy_b_fn(b.as_strided((K, N), sb), bufs.pop(0))
             return a, b
     else:
-        launch = km.pointer_launcher(M, N, K, plan.a4.shape[0], plan.a4.shape[1], plan.a4.stride(),
+        launch = launchers.pointer_launcher(M, N, K, plan.a4.shape[0], plan.a4.shape[1], plan.a4.stride(),
                                      plan.b4.stride(), (*plan.c_strides, N, 1), dtype, device, bias_stride,
                                      activation, decision.config, split_k=decision.kernel == "splitk")
 
@@ -134,9 +127,7 @@ def prepare(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: s
         TypeError, ValueError, RuntimeError: as :func:`shapes.check_inputs` / ``ops.check_linear``.
     """
     if op == "linear":
-        from .ops import check_linear
-
-        check_linear(a, b, bias, activation)
+        shapes.check_linear(a, b, bias, activation)
         plan = shapes.plan(a, b.t())
 
         def torch_run(x, w, bias_):
@@ -164,10 +155,10 @@ def _guarded(decision: dispatch.Decision, run: Callable, torch_run: Callable) ->
     """A Prepared whose runner falls back to torch, with one :class:`KernelFailedWarning`, if Triton fails.
 
     Failures are compile errors, shared memory or register overflow and autotuning that finds
-    no runnable config (``km.LAUNCH_FAILURES``); nothing was returned to the caller, so the
+    no runnable config (``kernels.launch.LAUNCH_FAILURES``); nothing was returned to the caller, so the
     torch result replaces the unfinished output. Later calls of the geometry go to torch directly.
     """
-    from .kernels.matmul import LAUNCH_FAILURES
+    from .kernels.launch import LAUNCH_FAILURES
 
     prepared = Prepared(decision, None)
 
@@ -238,9 +229,7 @@ def torch_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: 
         ValueError: unknown activation; otherwise F.linear's own errors.
     """
     if activation not in activations.ACTIVATIONS:
-        from .ops import check_linear
-
-        check_linear(x, weight, bias, activation)  # raises the ValueError
+        shapes.check_linear(x, weight, bias, activation)  # raises the ValueError
     out = F.linear(x, weight, bias)
     return activations.apply_(out, activation) if inplace else activations.apply(out, activation)
 
