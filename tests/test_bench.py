@@ -104,8 +104,10 @@ def test_inductor_columns_come_from_a_separate_pass(monkeypatch):
     """Inductor runs after every torch.matmul / tritonmm timing, once per row, on operands of the row's shape."""
     import torch
 
+    from tritonmm.bench import gemm
+
     events = []
-    monkeypatch.setattr(bench, "_matmul_operands", lambda shape, dtype, layout, gen: (
+    monkeypatch.setattr(gemm, "_matmul_operands", lambda shape, dtype, layout, gen: (
         torch.ones(shape["M"], shape["K"]), torch.ones(shape["K"], shape["N"])))
 
     def fake_inductor(row, fn, args, *inputs):
@@ -113,7 +115,7 @@ def test_inductor_columns_come_from_a_separate_pass(monkeypatch):
         row["inductor_us"] = 2.0
         row["vs_inductor"] = row["inductor_us"] / row["tritonmm_us"]
 
-    monkeypatch.setattr(bench, "bench_inductor", fake_inductor)
+    monkeypatch.setattr(gemm, "bench_inductor", fake_inductor)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch, "Generator", lambda device: type("G", (), {"manual_seed": lambda self, s: self})())
     rows = [_row("odd", 1.0, 1.0, M=3, N=5, K=7), _row("square", 1.0, 1.0, M=4, N=4, K=4)]

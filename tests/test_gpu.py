@@ -299,3 +299,64 @@ def test_tma_splitk_is_exact_and_repeatable(M, N, K, b_trans, split_k):
             assert torch.equal(out, first)
     for t in workspace._local.counters.values():
         assert int(t.abs().sum()) == 0
+
+
+def _generated_code(fn, *args):
+    """Inductor's generated source for ``fn(*args)`` (compiled fullgraph), and the result."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    out, code = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
+    return out, "\n".join(code)
+
+
+def test_compiled_cublas_decision_is_inductors_own_mm():
+    """Under torch.compile a cuBLAS decision is an aten GEMM in the graph: Inductor calls its own
+    extern mm/addmm, and no tritonmm code runs per call (no custom op in the generated code)."""
+    x = randn(512, 1024, dtype=BF16, device="cuda")
+    w = randn(768, 1024, dtype=BF16, device="cuda")
+    b = randn(768, dtype=BF16, device="cuda")
+    assert tritonmm.explain(x, w.t()).backend == "torch"
+    out, code = _generated_code(lambda x, w, b: tritonmm.linear(x, w, b), x, w, b)
+    assert "extern_kernels" in code and "tritonmm" not in code, code
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("kernel", ["pointer", "splitk"])
+def test_compiled_triton_decision_is_a_wrap_triton_launch(kernel, dynamic):
+    """A Triton decision under torch.compile is the pointer kernel launched from Inductor's generated
+    code (``wrap_triton``), not the opaque op; values and gradients match float64 references."""
+    x = randn(16, 1000, dtype=BF16, device="cuda").requires_grad_()
+    w = randn(520, 1000, dtype=BF16, device="cuda").requires_grad_()
+    b = randn(520, dtype=BF16, device="cuda")
+
+    def f(x, w, b):
+        return tritonmm.linear(x, w, b, "gelu")
+
+    with tritonmm.force_backend("triton", kernel):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+        y = compiled(x, w, b)
+        y.float().square().sum().backward()
+        if not dynamic:
+            _, code = _generated_code(lambda x, w, b: tritonmm.linear(x, w, b, "gelu"), x.detach(), w.detach(), b)
+            assert "_matmul_kernel" in code and "kernel_linear" not in code, code
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = F.gelu(F.linear(xd, wd, b.double()))
+    assert (y.double() - ref).abs().max() < 0.05 * ref.abs().max()
+    ref.square().sum().backward()
+    for got, want in ((x.grad, xd.grad), (w.grad, wd.grad)):
+        assert (got.double() - want).norm() / want.norm() < 2e-2
+
+
+def test_hot_path_torch_route_is_torchs_own_call():
+    """Where every GEMM of a geometry goes to cuBLAS, tritonmm.linear calls F.linear itself: the
+    autograd node is torch's (so its autocast cache and saved tensors are torch's)."""
+    from tritonmm import api
+
+    x = randn(512, 1024, dtype=BF16, device="cuda").requires_grad_()
+    w = randn(768, 1024, dtype=BF16, device="cuda").requires_grad_()
+    y = tritonmm.linear(x, w)
+    assert type(y.grad_fn).__name__ in ("MmBackward0", "AddmmBackward0")
+    assert F.linear in api._cache.values()

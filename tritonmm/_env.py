@@ -10,10 +10,14 @@ _environ_data = getattr(os.environ, "_data", None)  # CPython's raw (encoded) en
 if isinstance(_environ_data, dict) and all(isinstance(k, bytes) for k in list(_environ_data)[:1]):
     _ENV_KEYS = tuple(os.fsencode(k) for k in ENV)
 
+    raw_get, raw_name = _environ_data.get, os.fsencode  # raw_get(raw_name(name)): a variable's raw value
+
     def env_state() -> tuple:
         """The raw values of :data:`ENV` (None where unset)."""
         return tuple(map(_environ_data.get, _ENV_KEYS))
 else:  # pragma: no cover - non-POSIX environments
+    raw_get, raw_name = os.environ.get, str
+
     def env_state() -> tuple:
         """The raw values of :data:`ENV` (None where unset)."""
         return tuple(map(os.environ.get, ENV))

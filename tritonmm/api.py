@@ -25,17 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import activations, dispatch, grads, modes, runners, shapes
-from ._env import env_state
+from . import dispatch, grads, modes, runners, shapes
+from ._env import raw_get, raw_name
 
 CACHE_MAX = 4096
 _cache: dict = {}
 _forced = dispatch._forced.get
 _any_autocast = torch._C._is_any_autocast_enabled
 _grad_enabled = torch.is_grad_enabled
-_fp32_precision = torch.get_float32_matmul_precision
+_fp32_precision = getattr(torch._C, "_get_float32_matmul_precision", torch.get_float32_matmul_precision)
 _is_compiling = torch.compiler.is_compiling
 _F32 = torch.float32
+_BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")  # decide routes; the rest: per runner
 _AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA) | torch._C.DispatchKeySet(
     torch._C.DispatchKey.AutocastCPU)
 
@@ -253,9 +254,9 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
     if _is_compiling():
         return _matmul_slow(input, other)
     try:
-        key = (input.shape, other.shape, input.dtype, other.dtype, input.get_device(),
-               _any_autocast() and _autocast_dtype(input), _forced(), env_state(),
-               _fp32_precision() if input.dtype is _F32 else None)
+        dtype = input.dtype
+        key = (input.shape, other.shape, dtype, input.get_device(), _any_autocast() and _autocast_dtype(input),
+               _forced(), raw_get(_BACKEND), raw_get(_KERNEL), _fp32_precision() if dtype is _F32 else None)
     except (AttributeError, RuntimeError, TypeError):  # not tensors, nested tensors: every check
         return _matmul_slow(input, other)
     fn = _cache.get(key)
@@ -264,7 +265,7 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
         _require_tensor("other", other, "matmul")
         if modes.torch_only(input, other) or not modes.plain(input, other):
             return _matmul_slow(input, other)
-        fn = _matmul_entry(key, input, other, key[5])
+        fn = _matmul_entry(key, input, other, key[4])
     return fn(input, other)
 
 
@@ -290,11 +291,12 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     """
     if _is_compiling():
         return _linear_slow(input, weight, bias, activation)
-    try:
-        key = (input.shape, weight.shape, input.dtype, weight.dtype, input.get_device(), activation,
-               _any_autocast() and _autocast_dtype(input), _forced(), env_state(),
-               _fp32_precision() if input.dtype is _F32 else None)
-    except (AttributeError, RuntimeError, TypeError):
+    try:  # x enters by its element count: with weight (N, K) that fixes M (a wrong K is caught by F.linear)
+        dtype = input.dtype
+        key = (input.numel(), weight.shape, dtype, input.get_device(), activation,
+               _any_autocast() and _autocast_dtype(input), _forced(), raw_get(_BACKEND), raw_get(_KERNEL),
+               _fp32_precision() if dtype is _F32 else None)
+    except (AttributeError, RuntimeError, TypeError):  # not tensors, nested tensors: every check
         return _linear_slow(input, weight, bias, activation)
     fn = _cache.get(key)
     if fn is None:
@@ -304,7 +306,7 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
             _require_tensor("bias", bias, "linear")
         if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias):
             return _linear_slow(input, weight, bias, activation)
-        fn = _linear_entry(key, input, weight, bias, activation, key[6])
+        fn = _linear_entry(key, input, weight, bias, activation, key[5])
     return fn(input, weight, bias)
 
 

@@ -1,0 +1,171 @@
+"""Benchmark: tritonmm against torch.matmul (cuBLAS), side by side in one run.
+
+    python -m tritonmm.bench                      # public suite, every dtype it lists
+    python -m tritonmm.bench --dtype bfloat16 --json out.json --csv out.csv
+    python -m tritonmm.bench --linear             # fused linear+bias+GELU vs F.linear then F.gelu
+    python -m tritonmm.bench --tags square odd    # a subset of the suite
+    python -m tritonmm.bench --compare inductor   # add torch.compile max-autotune (Triton templates)
+    python -m tritonmm.bench --plot bench.png     # TFLOP/s against problem size, per shape class
+    python -m tritonmm.bench --from-json benchmarks/h200.json --plot bench.png   # no GPU needed
+    python -m tritonmm.bench --from-json benchmarks/h200.json --markdown         # README tables
+    python -m tritonmm.bench --model --json model.json   # a transformers Llama model: off / swap / patch
+
+Per shape and dtype it prints tritonmm's time (µs) and TFLOP/s after dispatch, torch.matmul's,
+their ratio (torch time / tritonmm time: above 1 means tritonmm is faster), the Triton kernel
+alone (dispatch forced to Triton) and its ratio, the backend the dispatcher chose, and whether
+the result matches a float64 reference as closely as torch.matmul's does. Times are medians of GPU
+time measured as ``triton.testing.do_bench`` does (CUDA events, L2 flushed before each call), with
+a GPU spin after each flush so host launch time is never counted (``_event_times_ms``), on N(0, 1)
+data, never zeros;
+torch.matmul and tritonmm are timed in alternation call by call (``_pair_times_ms``), so drift of a
+shared GPU's clocks hits both alike and each follows the same work.
+
+``--model`` runs a transformers Llama-architecture model with tritonmm off, swapped in and patched
+in, alternated in one process (:mod:`tritonmm.bench.model`), and the per-call host cost of each entry point.
+
+Without a GPU it runs small problems through Triton's interpreter on every kernel path, checks
+them against float64 references and says that timings need a GPU; ``--model`` runs a tiny model on
+the CPU and prints the per-call rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+from . import model
+from .cpu import cpu_check
+from .gemm import bench_linear_row, bench_matmul_row, inductor_pass
+from .model import CONFIGS
+from .report import from_json, plot, print_table, summarize, write_csv
+from .timing import machine_facts, warm_up_gpu
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def default_suite() -> pathlib.Path:
+    from ..kernels.configs import config_dir
+
+    return config_dir() / "shapes.json"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tritonmm.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=pathlib.Path, default=None, help="suite JSON (default: the shipped public suite)")
+    p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None, help="dtypes (default: the suite's)")
+    p.add_argument("--tags", nargs="+", default=None, help="only shapes whose tag starts with one of these")
+    p.add_argument("--layout", choices=["nn", "nt"], default="nn",
+                   help="B as a (K, N) row-major matrix (nn) or as an nn.Linear weight (N, K) transposed (nt)")
+    p.add_argument("--linear", action="store_true", help="fused linear + bias + GELU vs F.linear then F.gelu")
+    p.add_argument("--no-kernel-only", action="store_true", help="skip the forced-Triton column")
+    p.add_argument("--no-check", action="store_true", help="skip the float64 correctness check")
+    p.add_argument("--rep", type=int, default=100, help="timing budget per contender and row in ms (default 100)")
+    p.add_argument("--compare", choices=["inductor"], nargs="*", default=[],
+                   help="extra column: torch.compile(mode='max-autotune-no-cudagraphs') with Inductor's Triton "
+                        "GEMM templates on the same problems, its tuning time reported too")
+    p.add_argument("--plot", type=pathlib.Path, help="write a PNG of TFLOP/s against problem size per shape class")
+    p.add_argument("--from-json", type=pathlib.Path,
+                   help="print the table (and --plot) of an earlier --json run instead of measuring")
+    p.add_argument("--markdown", action="store_true", help="with --from-json: print the tables as Markdown (README)")
+    p.add_argument("--json", type=pathlib.Path, help="write rows and machine facts as JSON")
+    p.add_argument("--csv", type=pathlib.Path, help="write rows as CSV")
+    p.add_argument("--model", action="store_true",
+                   help="the model benchmark: a transformers Llama model, tritonmm off / swap_linear / patch_linear")
+    p.add_argument("--model-configs", nargs="+", choices=list(CONFIGS), default=None,
+                   help="with --model: which configs (default: small and llama3-8b-2l on a GPU, tiny without)")
+    p.add_argument("--model-phases", nargs="+", choices=["eager", "train", "compile"], default=None,
+                   help="with --model: which phases (default: all; compile needs a GPU)")
+    p.add_argument("--rounds", type=int, default=7, help="with --model: rounds of alternation (default 7)")
+    args = p.parse_args(argv)
+    if args.markdown and not args.from_json:
+        p.error("--markdown prints an earlier run: give it --from-json RUN.json")
+    if args.from_json and not args.from_json.is_file():
+        p.error(f"--from-json: no such file {args.from_json}")
+    return args
+
+
+def load_suite(path: pathlib.Path, tags) -> tuple[list[dict], list[str]]:
+    data = json.loads(path.read_text())
+    shapes = [s for s in data["shapes"] if not tags or any(s["tag"].startswith(t) for t in tags)]
+    return shapes, data.get("dtypes", ["bfloat16"])
+
+
+def model_main(args) -> int:
+    """``--model``: the model benchmark (a tiny model on the CPU without a GPU)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        transformers = None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    if transformers is None:
+        print("transformers is not installed (pip install transformers): per-call rows only", file=sys.stderr)
+        result = {"phases": [], "per_call": model.per_call_rows(device)}
+    else:
+        if device.type == "cuda":
+            warm_up_gpu()
+        result = model.run(device, args.rounds, args.model_configs, args.model_phases,
+                           progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if device.type == "cpu":
+        print("No CUDA GPU: a tiny model on the CPU; these times show tritonmm's host cost per call, not GPU speed.")
+    model.print_report(result)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
+                                         **result}, indent=1))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        return from_json(args)
+    if args.model:
+        return model_main(args)
+    if not torch.cuda.is_available():
+        defaults = vars(parse_args([]))
+        ignored = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v != defaults[k]]
+        if ignored:
+            print(f"No CUDA GPU: {', '.join(ignored)} ignored (they shape a GPU measurement; without a GPU the "
+                  "benchmark runs only the interpreter check below).", file=sys.stderr)
+        return cpu_check()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a convenience
+        def tqdm(it, **kw):
+            return it
+    shapes, suite_dtypes = load_suite(args.shapes or default_suite(), args.tags)
+    if args.linear:
+        shapes = [s for s in shapes if s["tag"].startswith("llama8b")]
+    dtypes = [DTYPES[d] for d in (args.dtype or suite_dtypes)]
+    if torch.float32 in dtypes:
+        torch.backends.cuda.matmul.allow_tf32 = True  # the suite's float32 rows are TF32 rows
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    warm_up_gpu()
+    rows = []
+    work = [(s, d) for d in dtypes for s in shapes]
+    for shape, dtype in tqdm(work, desc="bench", file=sys.stderr, mininterval=5):
+        fn = bench_linear_row if args.linear else bench_matmul_row
+        rows.append(fn(shape, dtype, args, gen))
+        torch.cuda.empty_cache()
+    if "inductor" in args.compare:
+        inductor_pass(rows, work, args, lambda it: tqdm(it, desc="inductor", file=sys.stderr, mininterval=5))
+    summary = summarize(rows)
+    print_table(rows, summary)
+    if args.plot:
+        facts = machine_facts()
+        plot(rows, args.plot, f"{facts.get('gpu')}, torch {facts['torch']}, triton {facts['triton']}")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
+                                         "rows": rows, "summary": summary}, indent=1))
+    if args.csv:
+        write_csv(rows, args.csv)
+    bad = [r for r in rows if r.get("ok") is False or r.get("kernel_ok") is False]
+    if bad:
+        print(f"\n{len(bad)} rows FAILED the correctness check", file=sys.stderr)
+    return 1 if bad else 0
+

@@ -1,0 +1,341 @@
+"""The model benchmark: a transformers Llama-architecture model with tritonmm off, swapped in and
+patched in, alternated in one process; and the per-call host cost of each entry point.
+
+Phases (each timed per mode, modes alternated round by round, medians of wall time between
+``torch.cuda.synchronize()`` calls): eager prefill, eager decode with a KV cache, a training step
+(fp32 weights, bf16 autocast, AdamW), torch.compile prefill and CUDA-graph replay of a forward.
+Ratios are off time / on time (> 1: tritonmm faster).
+
+Per-call rows time many back-to-back calls of a problem whose GPU work is shorter than its host work,
+so the host sets the pace: the difference is what each call costs on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import statistics
+import time
+
+import torch
+
+CONFIGS = {
+    # hidden 1024, 4 layers: host time dominates
+    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                  num_key_value_heads=4, vocab_size=32000),
+    # Llama-3-8B dims, 2 layers: the GEMMs dominate
+    "llama3-8b-2l": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256),
+    # no GPU: a tiny model on the CPU
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+}
+MODES = ("off", "swap", "patch")
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_model(name: str, device, dtype):
+    """A LlamaForCausalLM with random weights (transformers), in ``dtype``, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**CONFIGS[name], max_position_embeddings=4096, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+@contextlib.contextmanager
+def mode(name: str, model):
+    """tritonmm off, swapped into ``model`` (``swap_linear``) or patched into nn.Linear (``patch_linear``)."""
+    import tritonmm
+
+    if name == "swap":
+        tritonmm.swap_linear(model)
+    if name == "patch":
+        tritonmm.patch_linear()
+    try:
+        yield
+    finally:
+        if name == "swap":
+            tritonmm.unswap_linear(model)
+        if name == "patch":
+            tritonmm.unpatch_linear()
+
+
+def _wall_ms(fn, device, iters: int) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def alternate(runs: dict, device, rounds: int, iters: int, warmup: int = 2) -> dict:
+    """Median ms per call of each ``runs[mode] = (context, fn)``, the modes alternated round by round
+    (the order reversed every other round)."""
+    names = list(runs)
+    for name in names:
+        ctx, fn = runs[name]
+        with ctx():
+            for _ in range(warmup):
+                fn()
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            ctx, fn = runs[name]
+            with ctx():
+                times[name].append(_wall_ms(fn, device, iters))
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def _row(phase: str, config: str, ms: dict) -> dict:
+    row = {"config": config, "phase": phase, **{f"{m}_ms": v for m, v in ms.items()}}
+    for m in ms:
+        if m != "off":
+            row[f"{m}_ratio"] = ms["off"] / ms[m]
+    return row
+
+
+def _tokens(vocab: int, batch: int, seq: int, device) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(batch * 100003 + seq)
+    return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+
+
+def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
+    """Prefill, decode and (on a GPU) graph replay, eager, bf16 weights."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(name, device, dtype)
+    vocab = model.config.vocab_size
+    rows = []
+    runs = lambda fn: {m: (lambda m=m: mode(m, model), fn) for m in MODES}  # noqa: E731
+    prefill = [(1, 16)] if small else [(1, 512), (4, 1024)]
+    for batch, seq in prefill:
+        ids = _tokens(vocab, batch, seq, device)
+        with torch.no_grad():
+            ms = alternate(runs(lambda: model(ids, use_cache=False)), device, rounds, iters=3)
+        rows.append(_row(f"eager prefill {batch} x {seq}", name, ms))
+    from transformers import DynamicCache
+
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    new_tokens = 4 if small else 32
+    for batch in ((1,) if small else (1, 16)):
+        prompt = _tokens(vocab, batch, 8 if small else 64, device)
+        step = _tokens(vocab, batch, new_tokens, device)
+
+        def decode(prompt=prompt, step=step):
+            cache = DynamicCache()  # filled in place by each forward
+            out = model(prompt, use_cache=True, **{cache_arg: cache})
+            for t in range(new_tokens):
+                out = model(step[:, t:t + 1], use_cache=True, **{cache_arg: cache})
+            return out.logits
+
+        with torch.no_grad():
+            ms = alternate(runs(decode), device, rounds, iters=1)
+        rows.append(_row(f"eager decode {batch} seq x {new_tokens} tokens", name, ms))
+    if device.type == "cuda":
+        for batch, seq in ((1, 16), (1, 128), (4, 512)):
+            ids = _tokens(vocab, batch, seq, device)
+            graphs = {}
+            for m in MODES:
+                with mode(m, model), torch.no_grad():
+                    graphs[m] = _capture(lambda: model(ids, use_cache=False).logits)
+            ms = alternate({m: (contextlib.nullcontext, graphs[m].replay) for m in MODES}, device, rounds, iters=20)
+            rows.append(_row(f"cuda-graph replay {batch} x {seq}", name, ms))
+            del graphs
+    del model
+    return rows
+
+
+def _capture(fn):
+    """A CUDA graph of ``fn`` (warmed up on a side stream first, as torch's docs do)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def train_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
+    """A training step: fp32 weights, bf16 autocast, AdamW; modes alternated on one model and optimizer."""
+    model = build_model(name, device, torch.float32).train()
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
+    vocab = model.config.vocab_size
+    rows = []
+    for batch, seq in ([(2, 16)] if small else [(4, 512), (8, 2048)]):
+        ids = _tokens(vocab, batch, seq, device)
+
+        def step(ids=ids):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        runs = {m: (lambda m=m: mode(m, model), step) for m in MODES}
+        rows.append(_row(f"train step {batch} x {seq}", name, alternate(runs, device, rounds, iters=2)))
+    del model, opt
+    return rows
+
+
+def compile_phase(name: str, device, rounds: int) -> list[dict]:
+    """torch.compile prefill 4 x 1024: one compiled copy of the model per mode."""
+    import tritonmm
+
+    model = build_model(name, device, torch.bfloat16)
+    ids = _tokens(model.config.vocab_size, 4, 1024, device)
+    copies = {m: copy.deepcopy(model) for m in MODES}
+    tritonmm.swap_linear(copies["swap"])
+    compiled = {m: torch.compile(copies[m]) for m in MODES}
+    patched = lambda: tritonmm.patch_linear()  # noqa: E731  (nn.Linear patched only around its copy's calls)
+    runs = {"off": (contextlib.nullcontext, lambda: compiled["off"](ids, use_cache=False)),
+            "swap": (contextlib.nullcontext, lambda: compiled["swap"](ids, use_cache=False)),
+            "patch": (patched, lambda: compiled["patch"](ids, use_cache=False))}
+    with torch.no_grad():
+        ms = alternate(runs, device, rounds, iters=5, warmup=3)
+    del copies, compiled, model
+    torch._dynamo.reset()
+    return [_row("torch.compile prefill 4 x 1024", name, ms)]
+
+
+def _per_call_us(pairs: dict, device, rounds: int, calls: int) -> dict:
+    """Median µs per call of each contender, ``calls`` back-to-back calls a sample, contenders alternated."""
+    for fn in pairs.values():
+        for _ in range(20):
+            fn()
+    times = {k: [] for k in pairs}
+    names = list(pairs)
+    for r in range(rounds):
+        for k in (names if r % 2 == 0 else names[::-1]):
+            times[k].append(_wall_ms(pairs[k], device, calls) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def per_call_rows(device, rounds: int = 15, calls: int = 300) -> list[dict]:
+    """Host cost per call of each entry point against the torch call it replaces (x 1 x 2048, weight
+    5632 x 2048, bf16 on a GPU; fp32 on the CPU), with and without autograd; autocast forward + backward
+    with fp32 weights (512 x 2048 x 5632); a GEMM forced to the Triton pointer kernel against a bare
+    launch of the same compiled kernel."""
+    import torch.nn.functional as F
+
+    import tritonmm
+
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    K, N = (2048, 5632) if gpu else (64, 176)
+    rows = []
+
+    def add(what, base, ours, fns, rounds=rounds, calls=calls):
+        us = _per_call_us(fns, device, rounds, calls)
+        rows.append({"row": what, "torch": base, "tritonmm": ours, "torch_us": us[base], "tritonmm_us": us[ours],
+                     "over_us": us[ours] - us[base], "ratio": us[base] / us[ours]})
+
+    x = torch.randn(1, K, device=device, dtype=dtype)
+    lin = torch.nn.Linear(K, N, device=device, dtype=dtype)
+    swapped = tritonmm.swap_linear(copy.deepcopy(lin))
+    w, b = lin.weight, lin.bias
+    for grad in (False, True):
+        tag = "grad" if grad else "no_grad"
+        with torch.set_grad_enabled(grad):
+            add(f"nn.Linear, {tag}", "nn.Linear", "swapped", {"nn.Linear": lambda: lin(x), "swapped": lambda: swapped(x)})
+            add(f"F.linear, {tag}", "F.linear", "tritonmm.linear",
+                {"F.linear": lambda: F.linear(x, w, b), "tritonmm.linear": lambda: tritonmm.linear(x, w, b)})
+            wt = w.detach().t()
+            add(f"matmul, {tag}", "torch.matmul", "tritonmm.matmul",
+                {"torch.matmul": lambda: torch.matmul(x, wt), "tritonmm.matmul": lambda: tritonmm.matmul(x, wt)})
+    if gpu:  # fp32 master weights under bf16 autocast, forward + backward
+        M = 512
+        x32 = torch.randn(M, K, device=device, requires_grad=True)
+        lin32 = torch.nn.Linear(K, N, device=device)
+        sw32 = tritonmm.swap_linear(copy.deepcopy(lin32))
+
+        def fwd_bwd(m):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = m(x32)
+            y.float().sum().backward()
+
+        add("autocast fwd+bwd 512 x 2048 x 5632, fp32 weights", "nn.Linear", "swapped",
+            {"nn.Linear": lambda: fwd_bwd(lin32), "swapped": lambda: fwd_bwd(sw32)}, rounds=rounds, calls=30)
+        rows.append(_triton_route_row(device, rounds, calls))
+    return rows
+
+
+def _triton_route_row(device, rounds: int, calls: int) -> dict:
+    """tritonmm.matmul forced to the pointer kernel against the same compiled kernel launched bare
+    (output allocated, then one direct launch), 16 x 64 x 64 bf16."""
+    import tritonmm
+    from tritonmm.kernels import launchers
+
+    a = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
+    b = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
+    with tritonmm.force_backend("triton", "pointer"):
+        config = tritonmm.explain(a, b).config or None
+        tritonmm.matmul(a, b)
+    launch = launchers.pointer_launcher(16, 64, 64, 1, 1, (0, 0, 64, 1), (0, 0, 64, 1), (0, 0, 64, 1), a.dtype, device,
+                                        config=config)
+
+    def bare():
+        out = torch.empty(16, 64, device=device, dtype=a.dtype)
+        launch(a, b, out, None)
+
+    bare()
+    forced = tritonmm.force_backend("triton", "pointer", launch.state["config"])
+    with forced:
+        us = _per_call_us({"bare launch": bare, "tritonmm.matmul": lambda: tritonmm.matmul(a, b)}, device, rounds, calls)
+    return {"row": "Triton route, forced pointer kernel 16 x 64 x 64", "torch": "bare launch",
+            "tritonmm": "tritonmm.matmul", "torch_us": us["bare launch"], "tritonmm_us": us["tritonmm.matmul"],
+            "over_us": us["tritonmm.matmul"] - us["bare launch"], "ratio": us["bare launch"] / us["tritonmm.matmul"]}
+
+
+def run(device, rounds: int, configs=None, phases=None, progress=print) -> dict:
+    """Every phase of every config, then the per-call rows; returns what the JSON holds."""
+    gpu = device.type == "cuda"
+    configs = configs or (["small", "llama3-8b-2l"] if gpu else ["tiny"])
+    phases = phases or (["eager", "train", "compile"] if gpu else ["eager", "train"])
+    rows = []
+    for name in configs:
+        small = name == "tiny"
+        for phase in phases:
+            progress(f"model {name}: {phase}")
+            fn = {"eager": eager_phases, "train": train_phases}.get(phase)
+            rows += fn(name, device, rounds, small) if fn else compile_phase(name, device, rounds)
+            if gpu:
+                torch.cuda.empty_cache()
+    progress("per-call rows")
+    return {"phases": rows, "per_call": per_call_rows(device)}
+
+
+def print_report(result: dict) -> None:
+    print(f"{'config':14} {'phase':36} {'off ms':>9} {'swap ms':>9} {'patch ms':>9} {'swap':>6} {'patch':>6}")
+    for r in result["phases"]:
+        print(f"{r['config']:14} {r['phase']:36} {r['off_ms']:>9.3f} {r['swap_ms']:>9.3f} {r['patch_ms']:>9.3f} "
+              f"{r['swap_ratio']:>6.3f} {r['patch_ratio']:>6.3f}")
+    print("\nper call (µs): torch call, tritonmm call, cost over torch, ratio torch / tritonmm")
+    for r in result["per_call"]:
+        print(f"{r['row']:52} {r['torch']:>14} {r['torch_us']:>8.2f}  {r['tritonmm']:>16} {r['tritonmm_us']:>8.2f}  "
+              f"{r['over_us']:>+6.2f}  {r['ratio']:.3f}")
+
+
+def markdown(result: dict) -> str:
+    """The README's model table."""
+    lines = ["| model | phase | off ms | swap_linear | patch_linear |", "|---|---|---|---|---|"]
+    for r in result["phases"]:
+        lines.append(f"| {r['config']} | {r['phase']} | {r['off_ms']:.2f} | {r['swap_ratio']:.3f}x | "
+                     f"{r['patch_ratio']:.3f}x |")
+    lines += ["", "| per call | torch µs | tritonmm µs | over |", "|---|---|---|---|"]
+    for r in result["per_call"]:
+        lines.append(f"| {r['row']} ({r['torch']} vs {r['tritonmm']}) | {r['torch_us']:.1f} | {r['tritonmm_us']:.1f} | "
+                     f"{r['over_us']:+.2f} µs |")
+    return "\n".join(lines)
