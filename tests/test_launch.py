@@ -39,6 +39,19 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(km, "interpreting", lambda: False)
     active = types.SimpleNamespace(get_current_device=lambda: 3, get_current_stream=lambda dev: 1000 + dev)
     monkeypatch.setattr(km, "_driver", types.SimpleNamespace(active=active))
+    monkeypatch.setattr(km, "_getDevice", None)  # take the driver's stream, as without torch's raw stream getter
+
+
+def test_current_stream_is_the_current_devices():
+    """The raw stream handle of the current device, as Triton's own launcher takes it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert km.current_stream() == s.cuda_stream
+    assert km.current_stream() == torch.cuda.current_stream().cuda_stream
 
 
 def test_second_launch_calls_the_compiled_launcher(fake_gpu):

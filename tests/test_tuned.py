@@ -113,6 +113,27 @@ def test_lookup_gives_decisions(monkeypatch):
     assert dispatch._from_table(cuda, torch.bfloat16, plan(randn(3, 5, 5), randn(3, 5, 5))) is None  # batched
 
 
+def test_triton_winner_must_save_more_than_a_launch_costs(monkeypatch):
+    """A Triton entry that saves less GPU time than dispatch.TRITON_MIN_SAVING_US goes to cuBLAS, in the
+    decision and in the fast path's everywhere-torch test alike."""
+    a, b = randn(16, 512, dtype=torch.bfloat16), randn(512, 1024, dtype=torch.bfloat16)
+    key = tuned.entry_key(torch.bfloat16, 16, 1024, 512, "nn")
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_stages": 4, "num_warps": 4}
+    margin = dispatch.TRITON_MIN_SAVING_US
+    table = {key: {"backend": "triton", "kernel": "pointer", "config": cfg, "triton_us": 10.0,
+                   "torch_us": 10.0 + margin / 2}}
+    monkeypatch.setattr(tuned, "_table_for", lambda index: table)
+    cuda = torch.device("cuda", 0)
+    d = dispatch._from_table(cuda, torch.bfloat16, plan(a, b))
+    assert d.backend == "torch" and "saving less GPU time" in d.reason
+    assert not tuned.has_kernel(cuda, torch.bfloat16, 16, 1024, 512, margin)
+    table[key]["torch_us"] = 10.0 + 2 * margin
+    assert dispatch._from_table(cuda, torch.bfloat16, plan(a, b)).backend == "triton"
+    assert tuned.has_kernel(cuda, torch.bfloat16, 16, 1024, 512, margin)
+    assert tuned.has_kernel(cuda, torch.bfloat16, 16, 1024, 512, margin)  # any layout: B as a weight too
+    assert not tuned.has_kernel(cuda, torch.bfloat16, 32, 1024, 512, margin)  # another M bucket
+
+
 def test_layout_tag_and_key():
     w = randn(64, 32)
     assert layout.tag(plan(randn(8, 32), w.t())) == "nt"
@@ -136,7 +157,7 @@ def test_m_equal_1_has_its_own_key_and_falls_back_to_the_bucket(monkeypatch):
     assert tuned.entry(cuda, torch.bfloat16, gemv) is table["bfloat16:16:64:32:nn"]
     cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_stages": 4, "num_warps": 4, "SPLIT_K": 2}
     table["bfloat16:1:64:32:nn"] = {"backend": "triton", "kernel": "splitk", "config": cfg, "triton_us": 1.0,
-                                    "torch_us": 2.0}
+                                    "torch_us": 4.0}
     assert dispatch._from_table(cuda, torch.float16, gemv).kernel == "splitk"  # M = 1 entry, sibling dtype
     assert dispatch._from_table(cuda, torch.bfloat16, small).backend == "torch"  # M = 16 keeps the bucket entry
     table["float16:16:64:32:nn"] = {"backend": "torch", "kernel": None, "config": None, "torch_us": 1.0}

@@ -37,6 +37,14 @@ _fp32_precision = getattr(torch._C, "_get_float32_matmul_precision", torch.get_f
 _is_compiling = torch.compiler.is_compiling
 _F32 = torch.float32
 _BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")  # decide routes; the rest: per runner
+_AUTOTUNE = raw_name("TRITONMM_AUTOTUNE")
+_RUNS_MAX = 64  # runners per route (operand layouts and alignments), then cleared
+_PLAIN = modes.PLAIN
+_functorch_active = modes._functorch_active
+_fw_ad = modes._fw_ad
+_tracing_state = modes._tracing_state
+_function_modes = modes._function_modes
+_dispatch_modes = modes._dispatch_modes
 _AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA) | torch._C.DispatchKeySet(
     torch._C.DispatchKey.AutocastCPU)
 
@@ -145,17 +153,46 @@ def _linear_slow(x: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
 
 
 class _Route:
-    """A geometry that may reach a Triton kernel: ``(a, b, bias) -> Tensor``. Where only the backward
-    GEMMs would (``forward_torch``), calls that need no gradient go to torch directly."""
+    """A geometry that may reach a Triton kernel: ``(a, b, bias) -> Tensor``.
 
-    __slots__ = ("torch_call", "forward_torch", "op", "activation")
+    Plain eager calls without autograd or autocast look their runner up by the operands' strides,
+    alignment and the remaining dtypes and devices (a second, smaller key) and run it; every other
+    call takes :func:`_linear_slow` / :func:`_matmul_slow`. Where only the backward GEMMs may reach
+    Triton (``forward_torch``), calls that need no gradient go to torch directly.
+    """
 
-    def __init__(self, torch_call, forward_torch: bool, op: str, activation: str):
+    __slots__ = ("torch_call", "forward_torch", "op", "activation", "autocast", "runs")
+
+    def __init__(self, torch_call, forward_torch: bool, op: str, activation: str, autocast):
         self.torch_call, self.forward_torch, self.op, self.activation = torch_call, forward_torch, op, activation
+        self.autocast = autocast
+        self.runs: dict = {}
 
     def __call__(self, a, b, bias=None):
-        if self.forward_torch and not _needs_grad(a, b, bias):
+        if _grad_enabled() and (a.requires_grad or b.requires_grad or bias is not None and bias.requires_grad):
+            return self.slow(a, b, bias)
+        if self.forward_torch:
             return self.torch_call(a, b, bias) if self.op == "linear" else self.torch_call(a, b)
+        if (self.autocast or type(a) not in _PLAIN or type(b) not in _PLAIN or _functorch_active()
+                or _fw_ad._current_level >= 0 or _tracing_state() is not None or _function_modes() or _dispatch_modes()
+                or a.is_neg() or b.is_neg() or a._is_zerotensor() or b._is_zerotensor()):
+            return self.slow(a, b, bias)
+        try:
+            key = (a.shape, a.stride(), b.stride(), b.dtype, b.get_device(), a.data_ptr() & 15, b.data_ptr() & 15,
+                   None if bias is None else (type(bias), bias.shape, bias.stride(), bias.dtype, bias.get_device(),
+                                              bias.data_ptr() & 15), raw_get(_AUTOTUNE))
+        except (AttributeError, RuntimeError, TypeError):  # sparse, no storage, a non-tensor bias
+            return self.slow(a, b, bias)
+        prepared = self.runs.get(key)
+        if prepared is None:
+            if not modes.plain(a, b, bias) or modes.torch_only(a, b, bias):
+                return self.slow(a, b, bias)
+            if len(self.runs) >= _RUNS_MAX:
+                self.runs.clear()
+            prepared = self.runs[key] = runners.lookup(a, b, bias, self.activation, self.op)  # shared with explain
+        return prepared.run(a, b, bias)
+
+    def slow(self, a, b, bias):
         if self.op == "linear":
             return _linear_slow(a, b, bias, self.activation)
         return _matmul_slow(a, b)
@@ -198,7 +235,7 @@ def _linear_entry(key, x: Tensor, weight: Tensor, bias, activation: str, autocas
     fwd = dispatch.torch_everywhere([(M, N, K, 1)], dtype, x.device)
     bwd = fwd and dispatch.torch_everywhere([(M, K, N, 1), (N, K, M, 1)], dtype, x.device)
     call = _torch_linear_call(activation)
-    return _remember(key, call if bwd else _Route(call, fwd, "linear", activation))
+    return _remember(key, call if bwd else _Route(call, fwd, "linear", activation, autocast))
 
 
 def _matmul_problems(a: Tensor, b: Tensor) -> list:
@@ -221,7 +258,7 @@ def _matmul_entry(key, a: Tensor, b: Tensor, autocast):
     fwd = dispatch.torch_everywhere(fwd_problems, dtype, a.device)
     bwd = fwd and dispatch.torch_everywhere(bwd_problems, dtype, a.device)
     call = _torch_matmul_call(a, b)
-    return _remember(key, call if bwd else _Route(call, fwd, "matmul", "none"))
+    return _remember(key, call if bwd else _Route(call, fwd, "matmul", "none", autocast))
 
 
 def _require_tensor(name: str, value, op: str) -> None:

@@ -8,10 +8,11 @@ Rules, in order (first match wins):
    ``TRITON_INTERPRET=1`` CPU tensors take the Triton path (CI tests the kernel itself).
 2. empty problems (M, N or batch = 0; K = 0) -> no launch.
 3. a forced backend (``TRITONMM_BACKEND`` or :func:`force_backend`).
-4. a measured winner from the tuned table of this GPU (``configs/tuned/*.json``, :mod:`tritonmm.tuned`).
-5. 2-D problems with a leading dimension that is not 16-byte aligned, at least ``PAD_MIN_FLOPS``
-   and math-bound (at least ``PAD_MIN_INTENSITY`` FLOP/byte) -> cuBLAS on zero-padded aligned
-   copies (``kernel="padded"``, :mod:`tritonmm.padded`).
+4. a measured winner from the tuned table of this GPU (``configs/tuned/*.json``, :mod:`tritonmm.tuned`);
+   a Triton winner must save at least ``TRITON_MIN_SAVING_US`` of GPU time per call.
+5. 2-D problems whose K or N is not a multiple of 16 bytes, at least ``PAD_MIN_FLOPS`` and
+   math-bound (at least ``PAD_MIN_INTENSITY`` FLOP/byte) -> cuBLAS on zero-padded aligned copies
+   (``kernel="padded"``, :mod:`tritonmm.padded`).
 6. everything else (below ``MIN_FLOPS``, batched, float32 with TF32, not in the table) -> cuBLAS.
 
 Forcing "torch" with kernel "padded" takes the padded path wherever a leading dimension is
@@ -37,7 +38,7 @@ from . import device as _device
 from . import tuned as _tuned
 from ._env import autotune_enabled, interpreting
 from .kernels.configs import validate
-from .layout import padded_shape, tma_copies
+from .layout import aligned, padded_shape, tma_copies
 from .shapes import Plan
 
 BACKENDS = ("auto", "triton", "torch")
@@ -54,6 +55,10 @@ TMA_COPY_MIN_FLOPS = 2 * 512**3
 """FLOP from which forced Triton copies unaligned operands for the TMA kernel (the pointer kernel below)."""
 PAD_MIN_INTENSITY = 256
 """FLOP/byte below which a GEMM is memory-bound and an operand copy costs more than it saves."""
+TRITON_MIN_SAVING_US = 2.0
+"""µs of GPU time a tuned-table Triton winner must save over cuBLAS to be used: a Triton launch costs
+more host time than a cuBLAS call (``benchmarks/h200_model.json``, ``per_call``), which a host-bound
+loop (decode) pays in full."""
 SMALL_M = 64
 """M at or below which a GEMM is memory-bound (weight streaming): pointer or split-K kernel."""
 
@@ -252,9 +257,8 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
     if entry is not None:
         return entry
     flops = 2 * M * N * K * batch
-    intensity = flops / (dtype.itemsize * (M * K + K * N + M * N))
-    if flops >= PAD_MIN_FLOPS and intensity >= PAD_MIN_INTENSITY and padded_shape(plan, dtype) is not None:
-        return Decision("torch", "padded", "unaligned leading dimension, large and math-bound: cuBLAS on "
+    if batch == 1 and _pads(M, N, K, dtype) and padded_shape(plan, dtype) is not None:
+        return Decision("torch", "padded", "K or N not a multiple of 16 bytes, large and math-bound: cuBLAS on "
                                            "zero-padded aligned copies")
     if flops < MIN_FLOPS:
         return Decision("torch", None, f"{flops / 1e6:.2f} MFLOP is too small to pay for a Triton launch")
@@ -263,6 +267,15 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
     if dtype == torch.float32:
         return Decision("torch", None, "float32 (TF32) not in this GPU's tuned table: cuBLAS")
     return Decision("torch", None, "not in this GPU's tuned table: cuBLAS")
+
+
+def _pads(M: int, N: int, K: int, dtype: torch.dtype) -> bool:
+    """Rule 5's size test: K or N unaligned, at least ``PAD_MIN_FLOPS``, at least ``PAD_MIN_INTENSITY``."""
+    size = dtype.itemsize
+    if aligned(K, size) and aligned(N, size):
+        return False
+    flops = 2 * M * N * K
+    return flops >= PAD_MIN_FLOPS and flops / (size * (M * K + K * N + M * N)) >= PAD_MIN_INTENSITY
 
 
 def _from_table(device: torch.device, dtype: torch.dtype, plan: Plan) -> Decision | None:
@@ -281,6 +294,9 @@ def _from_table(device: torch.device, dtype: torch.dtype, plan: Plan) -> Decisio
             return Decision("torch", None, f"tuned table: cuBLAS kept (Triton measured {ratio:.2f}x, inside the "
                                            f"tuner's margin)")
         return Decision("torch", None, f"tuned table: cuBLAS measured faster (Triton {ratio:.2f}x)")
+    if not _tuned.saves(e, TRITON_MIN_SAVING_US):
+        return Decision("torch", None, f"tuned table: Triton measured {ratio:.2f}x, saving less GPU time than its "
+                                       f"launch costs on the host")
     copies = tma_copies(plan) if e["kernel"] == "tma" else ()
     return Decision("triton", e["kernel"], f"tuned table: measured {ratio:.2f}x cuBLAS", config=e["config"], copies=copies)
 
@@ -302,10 +318,6 @@ def torch_everywhere(problems, dtype: torch.dtype, device: torch.device) -> bool
     for M, N, K, batch in problems:
         if 0 in (M, N, K, batch):
             return False  # no launch: the runner builds the result itself
-        if batch == 1:
-            if _tuned.has_kernel(device, dtype, M, N, K):
-                return False
-            flops = 2 * M * N * K
-            if flops >= PAD_MIN_FLOPS and flops / (dtype.itemsize * (M * K + K * N + M * N)) >= PAD_MIN_INTENSITY:
-                return False
+        if batch == 1 and (_tuned.has_kernel(device, dtype, M, N, K, TRITON_MIN_SAVING_US) or _pads(M, N, K, dtype)):
+            return False
     return True

@@ -24,6 +24,7 @@ from .layout import tma_copy_layout, tma_copy_shape, tma_layout
 
 CACHE_MAX = 4096
 _cache: dict = {}
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
 
 
 alloc = torch.empty  # output allocator; tests swap in a NaN-filling one to catch unwritten tiles
@@ -90,31 +91,46 @@ def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, 
         copy_b_fn = copy_kernel.tma_copier(b2) if copy_b else None
 
         def operands(a, b):  # aligned copies go to the reused workspace (see tritonmm.workspace)
-            if not copy_specs:
-                return a, b
             bufs = workspace.buffers(device, copy_specs)
             if copy_a:
                 a = copy_a_fn(a.as_strided((M, K), sa), bufs.pop(0))
             if copy_b:
                 b = copy_b_fn(b.as_strided((K, N), sb), bufs.pop(0))
             return a, b
+
+        if not copy_specs:
+            operands = None
     else:
         launch = launchers.pointer_launcher(M, N, K, plan.a4.shape[0], plan.a4.shape[1], plan.a4.stride(),
-                                     plan.b4.stride(), (*plan.c_strides, N, 1), dtype, device, bias_stride,
-                                     activation, decision.config, split_k=decision.kernel == "splitk")
+                                            plan.b4.stride(), (*plan.c_strides, N, 1), dtype, device, bias_stride,
+                                            activation, decision.config, split_k=decision.kernel == "splitk")
+        operands = None
 
-        def operands(a, b):
-            return a, b
-
-    def run(a, b, bias):
-        out = alloc(out_shape, dtype=dtype, device=device)
-        a, b = operands(a, b)
-        if guard_index is not None and guard_index != torch.cuda.current_device():
-            with torch.cuda.device(guard_index):  # Triton launches on the current device
-                launch(a, b, out, bias)
-        else:
+    if operands is None and guard_index is None:
+        def run(a, b, bias):
+            out = alloc(out_shape, dtype=dtype, device=device)
             launch(a, b, out, bias)
-        return out
+            return out
+    elif operands is None:
+        def run(a, b, bias):
+            out = alloc(out_shape, dtype=dtype, device=device)
+            if guard_index != _current_device():
+                with torch.cuda.device(guard_index):  # Triton launches on the current device
+                    launch(a, b, out, bias)
+            else:
+                launch(a, b, out, bias)
+            return out
+    else:
+        def run(a, b, bias):
+            out = alloc(out_shape, dtype=dtype, device=device)
+            if operands is not None:
+                a, b = operands(a, b)
+            if guard_index is not None and guard_index != _current_device():
+                with torch.cuda.device(guard_index):  # Triton launches on the current device
+                    launch(a, b, out, bias)
+            else:
+                launch(a, b, out, bias)
+            return out
 
     run.launcher = launch
     return run

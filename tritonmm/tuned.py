@@ -137,14 +137,25 @@ def _entries(device: torch.device) -> dict:
     return _table_for(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def has_kernel(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int) -> bool:
-    """Whether this GPU's table sends an M x N x K problem, in any operand layout, to a Triton kernel
-    or to the padded path."""
+def saves(e: dict, min_saving_us: float) -> bool:
+    """Whether a Triton entry measured at least ``min_saving_us`` µs faster than cuBLAS."""
+    return e.get("triton_us") is not None and e["torch_us"] - e["triton_us"] >= min_saving_us
+
+
+def has_kernel(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, min_saving_us: float) -> bool:
+    """Whether this GPU's table sends an M x N x K problem, in any operand layout, to the padded path or to
+    a Triton kernel that saves at least ``min_saving_us``."""
     entries = _entries(device)
-    return bool(entries) and any(
-        e.get("backend") == "triton" or e.get("kernel") == "padded"
-        for lay in ("nn", "nt", "tn", "tt") for k in lookup_keys(dtype, M, N, K, lay)
-        if (e := entries.get(k)) is not None)
+    if not entries:
+        return False
+    for lay in ("nn", "nt", "tn", "tt"):
+        for k in lookup_keys(dtype, M, N, K, lay):
+            e = entries.get(k)
+            if e is not None:  # the first key found is the one lookup uses
+                if e.get("kernel") == "padded" or e.get("backend") == "triton" and saves(e, min_saving_us):
+                    return True
+                break
+    return False
 
 
 def entry(device: torch.device, dtype: torch.dtype, plan: Plan) -> dict | None:

@@ -26,14 +26,28 @@ LAUNCH_FAILURES = (triton.errors.TritonError,)
 autotuner left with no runnable config): the runner then serves the call with torch.matmul."""
 
 
+_RUNTIME = knobs.runtime
+
+
 def _hooks_active() -> bool:
     """Whether a launch enter or exit hook (a profiler such as proton) is installed. Triton 3.6 keeps
     hooks in a ``HookChain`` that is never None; older releases use None for "no hook"."""
-    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+    for hook in (_RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook):
         calls = getattr(hook, "calls", None)
         if (bool(calls) if calls is not None else hook is not None):
             return True
     return False
+
+
+_getDevice = getattr(torch._C, "_cuda_getDevice", None)
+_getCurrentRawStream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream() -> int:
+    """The current CUDA stream of the current device, as Triton's launcher takes it."""
+    if _getDevice is not None and _getCurrentRawStream is not None:
+        return _getCurrentRawStream(_getDevice())
+    return _driver.active.get_current_stream(_driver.active.get_current_device())
 
 
 class DirectLaunch:
@@ -45,27 +59,25 @@ class DirectLaunch:
     Launch hooks (profilers) and the interpreter use the normal path.
     """
 
-    __slots__ = ("fn", "grid", "kwargs", "compiled", "tail")
+    __slots__ = ("fn", "grid", "kwargs", "compiled", "tail", "run", "head")
 
     def __init__(self, fn, grid: tuple, kwargs: dict):
         self.fn, self.grid, self.kwargs = fn, tuple(grid) + (1,) * (3 - len(grid)), kwargs
-        self.compiled = None
-        self.tail = None
+        self.compiled = self.tail = self.run = self.head = None
 
     def __call__(self, args: tuple) -> None:
-        k = self.compiled
-        if k is None or _hooks_active():
+        if self.compiled is None or _hooks_active():
             k = self.fn[self.grid](*args, **self.kwargs)
             if self.compiled is None and not interpreting() and all(
                     hasattr(k, n) for n in ("run", "function", "packed_metadata")):
                 names = self.fn.arg_names[len(args):]
                 if all(n in self.kwargs for n in names):
                     self.tail = tuple(self.kwargs[n] for n in names)
+                    self.run, self.head = k.run, (k.function, k.packed_metadata, None, None, None)
                     self.compiled = k
             return
         g0, g1, g2 = self.grid
-        stream = _driver.active.get_current_stream(_driver.active.get_current_device())
-        k.run(g0, g1, g2, stream, k.function, k.packed_metadata, None, None, None, *args, *self.tail)
+        self.run(g0, g1, g2, current_stream(), *self.head, *args, *self.tail)
 
 
 def input_precision(dtype: torch.dtype, device: torch.device) -> str:

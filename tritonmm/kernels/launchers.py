@@ -67,7 +67,13 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
     def grid(META):
         return (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]) * tiles, META.get("SPLIT_K", 1))
 
+    direct = None  # the fixed config's direct launch, once built
+
     def launch(a, b, c, bias):
+        nonlocal direct
+        if direct is not None and not split_k:
+            direct((a, b, c, c if bias is None else bias, c, c, *ints))
+            return
         cfg = _first_config(state, kernel, M, N, K, dtype, c.device)
         target = locks = c
         if split_k:  # fp32 partials live in the reused workspace (no per-call allocation)
@@ -84,10 +90,9 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
         if cfg is None:
             state["config"] = autotune(kernel, grid, args, meta)
             return
-        direct = state.get("direct")
         if direct is None:
-            direct = state["direct"] = DirectLaunch(_matmul_kernel, grid({**cfg, **meta}),
-                                                    {**meta, **cfg, "EVEN_K": K % cfg["BLOCK_K"] == 0})
+            direct = DirectLaunch(_matmul_kernel, grid({**cfg, **meta}),
+                                  {**meta, **cfg, "EVEN_K": K % cfg["BLOCK_K"] == 0})
         direct(args)
 
     launch.state = state
@@ -122,6 +127,8 @@ def tma_launcher(M, N, K, a_trans, stride_a, b_trans, stride_b, dtype, device, b
                 HAS_BIAS=bias_stride is not None, ACTIVATION=activation,
                 INPUT_PRECISION=input_precision(dtype, device), UPCAST=interpreting() and dtype == torch.bfloat16)
 
+    has_split = True  # until the config is fixed: scratch may be needed
+
     def tiles(x) -> int:
         return triton.cdiv(M, x["BLOCK_M"]) * triton.cdiv(N, x["BLOCK_N"])
 
@@ -137,8 +144,14 @@ def tma_launcher(M, N, K, a_trans, stride_a, b_trans, stride_b, dtype, device, b
                                         slot="splitk")
         return partials, workspace.counters(device, max(map(tiles, split)))
 
+    direct = None
+
     def launch(a, b, c, bias):
+        nonlocal direct, has_split
         ensure_allocator()
+        if direct is not None and not has_split:
+            direct((a, b, c, c if bias is None else bias, c, c, *ints))
+            return
         cfg = _first_config(state, "tma", M, N, K, dtype, c.device)
         partials, locks = scratch(cfg, c.device) if cfg is None or cfg["SPLIT_K"] > 1 else (None, None)
         args = (a, b, c, bias if bias is not None else c, c if partials is None else partials,
@@ -146,9 +159,9 @@ def tma_launcher(M, N, K, a_trans, stride_a, b_trans, stride_b, dtype, device, b
         if cfg is None:
             state["config"] = autotune("tma", grid, args, meta)
             return
-        direct = state.get("direct")
         if direct is None:
-            direct = state["direct"] = DirectLaunch(_matmul_tma_kernel, grid(cfg), {**meta, **cfg})
+            direct = DirectLaunch(_matmul_tma_kernel, grid(cfg), {**meta, **cfg})
+            has_split = cfg["SPLIT_K"] > 1
         direct(args)
 
     launch.state = state
