@@ -1,269 +1,45 @@
 """The public entry points and their per-call fast path.
 
-A call builds a small key (shapes, dtypes, device, autocast dtype, forcing state, environment) and
-looks up a callable resolved on the first call with that key:
-
-* where the dispatcher sends the forward GEMM and both backward GEMMs to cuBLAS whatever the
-  operands' strides (:func:`dispatch.torch_everywhere`), the callable *is* ``F.linear`` /
-  ``torch.matmul``: torch's own autograd, autocast (with its weight-cast cache), functorch and
-  mode handling apply, and tritonmm adds only the key and one lookup;
-* otherwise a :class:`_Route` runs the runner (:mod:`tritonmm.runners`) directly for plain eager
-  tensors, a ``torch.autograd.Function`` over the same runner where autograd is needed, and the
-  ``torch.library`` op for everything else (tensor subclasses, modes, tracing).
-
-Under ``torch.compile`` and ``torch.export`` the call is the op itself, which decides at trace time
-(:mod:`tritonmm.traced`).
+The fastest path is a weight plan: for an (N, K) weight that automatic dispatch sends to cuBLAS in every
+GEMM it can take part in (:func:`dispatch.weight_free`: the forward for any number of rows, in its
+dtype or an autocast dtype, and both gradients), a call in the default state (nothing forced, not
+compiling) is ``F.linear`` / ``torch.matmul`` itself after one dictionary lookup, validated by the
+weight's data pointer and shape. Torch's own autograd, autocast (with its weight-cast cache),
+functorch and mode handling then apply. Everything else goes through the keyed routes
+(:mod:`tritonmm.routes`). Under ``torch.compile`` and ``torch.export`` the call is the op itself,
+which decides at trace time (:mod:`tritonmm.traced`).
 """
 
 from __future__ import annotations
 
-import math
-import weakref
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import dispatch, grads, modes, runners, shapes
+from . import dispatch, modes, routes, runners
 from ._env import raw_get, raw_name
 
-CACHE_MAX = 4096
-_cache: dict = {}
+_plans_get = routes.plans.get
 _forced = dispatch._forced.get
-_any_autocast = torch._C._is_any_autocast_enabled
-_grad_enabled = torch.is_grad_enabled
-_fp32_precision = getattr(torch._C, "_get_float32_matmul_precision", torch.get_float32_matmul_precision)
 _is_compiling = torch.compiler.is_compiling
-_F32 = torch.float32
-_BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")  # decide routes; the rest: per runner
-_AUTOTUNE = raw_name("TRITONMM_AUTOTUNE")
-_RUNS_MAX = 64  # runners per route (operand layouts and alignments), then cleared
-_PLAIN = modes.PLAIN
-_functorch_active = modes._functorch_active
-_fw_ad = modes._fw_ad
-_tracing_state = modes._tracing_state
-_function_modes = modes._function_modes
-_dispatch_modes = modes._dispatch_modes
-_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA) | torch._C.DispatchKeySet(
-    torch._C.DispatchKey.AutocastCPU)
+_F_linear = F.linear
+_matmul = torch.matmul
+_BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")
 
 
-def _autocast_dtype(t: Tensor):
-    """The autocast dtype of ``t``'s device type, or None where autocast is off there."""
-    device_type = "cuda" if t.is_cuda else t.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-
-
-def _cast(t, dtype):
-    """An autocast cast, as torch's autocast casts matmul / linear inputs (floating, not float64)."""
-    if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.dtype != dtype:
-        return t.to(dtype)
-    return t
-
-
-_weight_casts: dict = {}
-
-
-def _cast_weight(t, dtype):
-    """:func:`_cast`, reusing one cast of a leaf parameter until it changes (its version counter), as
-    torch's autocast cache reuses weight casts within an autocast region. Dropped when the parameter
-    is freed, and by :func:`tritonmm.clear_cache`."""
-    if not (isinstance(t, Tensor) and t.is_leaf and t.requires_grad and torch.is_autocast_cache_enabled()):
-        return _cast(t, dtype)
-    if t.dtype == dtype or not t.is_floating_point() or t.dtype == torch.float64:
-        return t
-    key = id(t)
-    hit = _weight_casts.get(key)
-    grad = _grad_enabled()
-    if hit is not None and hit[0]() is t and hit[1] == (t._version, dtype, t.device, grad):
-        return hit[2]
-    cast = t.to(dtype)
-    _weight_casts[key] = (weakref.ref(t, lambda _, k=key: _weight_casts.pop(k, None)), (t._version, dtype, t.device,
-                                                                                      grad), cast)
-    return cast
-
-
-class _MatmulFunction(torch.autograd.Function):
-    """``tritonmm::matmul`` in eager mode with autograd: the runner forward, :mod:`tritonmm.grads` backward."""
-
-    @staticmethod
-    def forward(ctx, a, b):  # ctx-style forward: Function.apply binds no signature per call
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):  # inputs are cast already
-            out = runners.matmul(a, b)
-        grads.matmul_setup_context(ctx, (a, b), out)
-        return out
-
-    backward = staticmethod(grads.matmul_backward)
-
-
-class _LinearFunction(torch.autograd.Function):
-    """``tritonmm::linear`` in eager mode with autograd: the runner forward, :mod:`tritonmm.grads` backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, activation):
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
-            out = runners.linear(x, weight, bias, activation)
-        grads.linear_setup_context(ctx, (x, weight, bias, activation), out)
-        return out
-
-    backward = staticmethod(grads.linear_backward)
-
-
-def _needs_grad(*tensors) -> bool:
-    if not _grad_enabled():
+def _planned(weight) -> bool:
+    """Whether ``weight`` has a current plan sending its GEMMs to torch, in the default state
+    (nothing forced). See :func:`tritonmm.routes.plan`."""
+    plan = _plans_get(id(weight))
+    if plan is None or not plan[0] or _forced() is not None or raw_get(_BACKEND) is not None \
+            or raw_get(_KERNEL) is not None:
         return False
-    return any(t is not None and t.requires_grad for t in tensors)
-
-
-def _matmul_slow(a: Tensor, b: Tensor) -> Tensor:
-    """Every mode: torch itself, the op, the autograd Function or the runner."""
-    _require_tensor("input", a, "matmul")
-    _require_tensor("other", b, "matmul")
-    if modes.torch_only(a, b):
-        return torch.matmul(a, b)
-    if not (modes.eager() and modes.plain(a, b)):
-        return torch.ops.tritonmm.matmul(a, b)
-    if _any_autocast():
-        dtype = _autocast_dtype(a)
-        if dtype is not None:
-            a, b = _cast(a, dtype), _cast_weight(b, dtype)
-    if _needs_grad(a, b):
-        return _MatmulFunction.apply(a, b)
-    return runners.matmul(a, b)
-
-
-def _linear_slow(x: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
-    """As :func:`_matmul_slow`, for linear."""
-    _require_tensor("input", x, "linear")
-    _require_tensor("weight", weight, "linear")
-    if bias is not None:
-        _require_tensor("bias", bias, "linear")
-    if modes.torch_only(x, weight, bias):  # under autograd / functorch: activation out of place
-        return runners.torch_linear(x, weight, bias, activation, inplace=False)
-    if not (modes.eager() and modes.plain(x, weight, bias)):
-        return torch.ops.tritonmm.linear(x, weight, bias, activation)
-    if _any_autocast():
-        dtype = _autocast_dtype(x)
-        if dtype is not None:
-            x, weight, bias = _cast(x, dtype), _cast_weight(weight, dtype), _cast_weight(bias, dtype)
-    if _needs_grad(x, weight, bias):
-        return _LinearFunction.apply(x, weight, bias, activation)
-    return runners.linear(x, weight, bias, activation)
-
-
-class _Route:
-    """A geometry that may reach a Triton kernel: ``(a, b, bias) -> Tensor``.
-
-    Plain eager calls without autograd or autocast look their runner up by the operands' strides,
-    alignment and the remaining dtypes and devices (a second, smaller key) and run it; every other
-    call takes :func:`_linear_slow` / :func:`_matmul_slow`. Where only the backward GEMMs may reach
-    Triton (``forward_torch``), calls that need no gradient go to torch directly.
-    """
-
-    __slots__ = ("torch_call", "forward_torch", "op", "activation", "autocast", "runs")
-
-    def __init__(self, torch_call, forward_torch: bool, op: str, activation: str, autocast):
-        self.torch_call, self.forward_torch, self.op, self.activation = torch_call, forward_torch, op, activation
-        self.autocast = autocast
-        self.runs: dict = {}
-
-    def __call__(self, a, b, bias=None):
-        if _grad_enabled() and (a.requires_grad or b.requires_grad or bias is not None and bias.requires_grad):
-            return self.slow(a, b, bias)
-        if self.forward_torch:
-            return self.torch_call(a, b, bias) if self.op == "linear" else self.torch_call(a, b)
-        if (self.autocast or type(a) not in _PLAIN or type(b) not in _PLAIN or _functorch_active()
-                or _fw_ad._current_level >= 0 or _tracing_state() is not None or _function_modes() or _dispatch_modes()
-                or a.is_neg() or b.is_neg() or a._is_zerotensor() or b._is_zerotensor()):
-            return self.slow(a, b, bias)
-        try:
-            key = (a.shape, a.stride(), b.stride(), b.dtype, b.get_device(), a.data_ptr() & 15, b.data_ptr() & 15,
-                   None if bias is None else (type(bias), bias.shape, bias.stride(), bias.dtype, bias.get_device(),
-                                              bias.data_ptr() & 15), raw_get(_AUTOTUNE))
-        except (AttributeError, RuntimeError, TypeError):  # sparse, no storage, a non-tensor bias
-            return self.slow(a, b, bias)
-        prepared = self.runs.get(key)
-        if prepared is None:
-            if not modes.plain(a, b, bias) or modes.torch_only(a, b, bias):
-                return self.slow(a, b, bias)
-            if len(self.runs) >= _RUNS_MAX:
-                self.runs.clear()
-            prepared = self.runs[key] = runners.lookup(a, b, bias, self.activation, self.op)  # shared with explain
-        return prepared.run(a, b, bias)
-
-    def slow(self, a, b, bias):
-        if self.op == "linear":
-            return _linear_slow(a, b, bias, self.activation)
-        return _matmul_slow(a, b)
-
-
-def _torch_linear_call(activation: str):
-    if activation == "none":
-        return F.linear
-    return lambda x, w, b: runners.torch_linear(x, w, b, activation, inplace=not _needs_grad(x, w, b))
-
-
-def _torch_matmul_call(a: Tensor, b: Tensor):
-    if b.dim() <= 2 or a.dim() >= b.dim():
-        return torch.matmul
-    return lambda x, y: torch.matmul(x, y).contiguous()  # the result is contiguous, as documented
-
-
-def _effective_dtype(t: Tensor, autocast) -> torch.dtype:
-    if autocast and t.is_floating_point() and t.dtype != torch.float64:
-        return autocast
-    return t.dtype
-
-
-def _remember(key, entry):
-    if len(_cache) >= CACHE_MAX:
-        _cache.clear()
-    _cache[key] = entry
-    return entry
-
-
-def _linear_entry(key, x: Tensor, weight: Tensor, bias, activation: str, autocast):
-    """Resolve a linear geometry (cache miss): validate, then decide its forward and backward GEMMs."""
-    if autocast:  # validate as F.linear would see the operands: cast
-        shapes.check_linear(_cast(x, autocast), _cast(weight, autocast), _cast(bias, autocast), activation)
-    else:
-        shapes.check_linear(x, weight, bias, activation)
-    N, K = weight.shape
-    M = math.prod(x.shape[:-1])
-    dtype = _effective_dtype(x, autocast)
-    fwd = dispatch.torch_everywhere([(M, N, K, 1)], dtype, x.device)
-    bwd = fwd and dispatch.torch_everywhere([(M, K, N, 1), (N, K, M, 1)], dtype, x.device)
-    call = _torch_linear_call(activation)
-    return _remember(key, call if bwd else _Route(call, fwd, "linear", activation, autocast))
-
-
-def _matmul_problems(a: Tensor, b: Tensor) -> list:
-    """Every (M, N, K, batch) the forward and backward GEMMs of ``a @ b`` can become (folded or batched)."""
-    a_shape = (1, *a.shape) if a.dim() == 1 else tuple(a.shape)
-    b_shape = (*b.shape, 1) if b.dim() == 1 else tuple(b.shape)
-    M, K = a_shape[-2:]
-    N = b_shape[-1]
-    batch = math.prod(torch.broadcast_shapes(a_shape[:-2], b_shape[:-2]))
-    fwd = [(M, N, K, batch), (M * batch, N, K, 1)]
-    bwd = [(M, K, N, batch), (M * batch, K, N, 1), (K, N, M, batch), (K, N, M * batch, 1)]
-    return fwd, bwd
-
-
-def _matmul_entry(key, a: Tensor, b: Tensor, autocast):
-    """Resolve a matmul geometry (cache miss), as :func:`_linear_entry`."""
-    shapes.check_inputs(_cast(a, autocast), _cast(b, autocast)) if autocast else shapes.check_inputs(a, b)
-    fwd_problems, bwd_problems = _matmul_problems(a, b)
-    dtype = _effective_dtype(a, autocast)
-    fwd = dispatch.torch_everywhere(fwd_problems, dtype, a.device)
-    bwd = fwd and dispatch.torch_everywhere(bwd_problems, dtype, a.device)
-    call = _torch_matmul_call(a, b)
-    return _remember(key, call if bwd else _Route(call, fwd, "matmul", "none", autocast))
-
-
-def _require_tensor(name: str, value, op: str) -> None:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"tritonmm.{op}(): argument '{name}' must be Tensor, not {type(value).__name__}")
+    try:
+        return plan[1] == weight.data_ptr() and plan[2] == weight.shape
+    except (AttributeError, RuntimeError):  # not a tensor, no storage
+        return False
 
 
 def matmul(input: Tensor, other: Tensor) -> Tensor:
@@ -289,21 +65,10 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
     and zero tensors, functorch transforms and forward-mode AD are handed to torch.matmul itself.
     """
     if _is_compiling():
-        return _matmul_slow(input, other)
-    try:
-        dtype = input.dtype
-        key = (input.shape, other.shape, dtype, input.get_device(), _any_autocast() and _autocast_dtype(input),
-               _forced(), raw_get(_BACKEND), raw_get(_KERNEL), _fp32_precision() if dtype is _F32 else None)
-    except (AttributeError, RuntimeError, TypeError):  # not tensors, nested tensors: every check
-        return _matmul_slow(input, other)
-    fn = _cache.get(key)
-    if fn is None:
-        _require_tensor("input", input, "matmul")
-        _require_tensor("other", other, "matmul")
-        if modes.torch_only(input, other) or not modes.plain(input, other):
-            return _matmul_slow(input, other)
-        fn = _matmul_entry(key, input, other, key[4])
-    return fn(input, other)
+        return routes.matmul_slow(input, other)
+    if _planned(other):
+        return _matmul(input, other)
+    return routes.matmul_keyed(input, other)
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
@@ -327,24 +92,18 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     Under ``torch.autocast`` the inputs are cast to the autocast dtype as F.linear's are.
     """
     if _is_compiling():
-        return _linear_slow(input, weight, bias, activation)
-    try:  # x enters by its element count: with weight (N, K) that fixes M (a wrong K is caught by F.linear)
-        dtype = input.dtype
-        key = (input.numel(), weight.shape, dtype, input.get_device(), activation,
-               _any_autocast() and _autocast_dtype(input), _forced(), raw_get(_BACKEND), raw_get(_KERNEL),
-               _fp32_precision() if dtype is _F32 else None)
-    except (AttributeError, RuntimeError, TypeError):  # not tensors, nested tensors: every check
-        return _linear_slow(input, weight, bias, activation)
-    fn = _cache.get(key)
-    if fn is None:
-        _require_tensor("input", input, "linear")
-        _require_tensor("weight", weight, "linear")
-        if bias is not None:
-            _require_tensor("bias", bias, "linear")
-        if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias):
-            return _linear_slow(input, weight, bias, activation)
-        fn = _linear_entry(key, input, weight, bias, activation, key[5])
-    return fn(input, weight, bias)
+        return routes.linear_slow(input, weight, bias, activation)
+    if activation == "none" and _planned(weight):
+        return _F_linear(input, weight, bias)
+    return routes.linear_keyed(input, weight, bias, activation)
+
+
+def linear_forward(self, input: Tensor) -> Tensor:
+    """``nn.Linear.forward`` through tritonmm (the forward of swapped and patched modules)."""
+    weight = self.weight
+    if not _is_compiling() and _planned(weight):
+        return _F_linear(input, weight, self.bias)
+    return linear(input, weight, self.bias)
 
 
 def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
@@ -361,27 +120,27 @@ def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
         Those of :func:`matmul` for invalid operands (operands handed to torch.matmul itself, such as
         sparse ones, are not checked here).
     """
-    _require_tensor("a", a, "explain")
-    _require_tensor("b", b, "explain")
+    routes._require_tensor("a", a, "explain")
+    routes._require_tensor("b", b, "explain")
     if modes.torch_only(a, b):
         return dispatch.Decision("torch", None, "functorch transform, forward-mode AD or nested tensor: "
                                                 "torch.matmul itself serves the call")
     if modes.unusual(a) or modes.unusual(b):
         return dispatch.Decision("torch", None, "sparse, neg-bit (e.g. x.conj().imag) or zero tensor: "
                                                 "torch.matmul itself serves the call")
-    if _any_autocast():
-        dtype = _autocast_dtype(a)
+    if torch._C._is_any_autocast_enabled():
+        dtype = routes._autocast_dtype(a)
         if dtype is not None:
-            a, b = _cast(a, dtype), _cast(b, dtype)
+            a, b = routes._cast(a, dtype), routes._cast(b, dtype)
     return runners.lookup(a, b, None, "none", "matmul").decision
 
 
 def clear_cache() -> None:
     """Forget every cached decision, runner and weight cast (e.g. after installing a new tuned table)
     and free this thread's workspace buffers."""
-    _cache.clear()
-    _weight_casts.clear()
+    routes.clear()
     runners.clear_cache()
+    dispatch._tuned.weight_used.cache_clear()
 
 
 __all__ = ["clear_cache", "explain", "linear", "matmul"]

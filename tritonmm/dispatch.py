@@ -321,3 +321,21 @@ def torch_everywhere(problems, dtype: torch.dtype, device: torch.device) -> bool
         if batch == 1 and (_tuned.has_kernel(device, dtype, M, N, K, TRITON_MIN_SAVING_US) or _pads(M, N, K, dtype)):
             return False
     return True
+
+
+def weight_free(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether automatic dispatch sends every GEMM of an (N, K) weight of ``dtype`` on ``device`` to
+    plain torch (cuBLAS): the forward for any number of rows, in ``dtype`` or an autocast dtype, and both
+    gradients. The fast path then calls F.linear / torch.matmul for it without building a key.
+
+    Raises:
+        ValueError: a forcing environment variable holds an unknown value.
+    """
+    forced()  # (validates the environment)
+    if device.type != "cuda":
+        return not (device.type == "cpu" and interpreting())
+    dtypes = tuple(sorted({dtype, torch.float16, torch.bfloat16} & set(SUPPORTED_DTYPES), key=str))
+    if any(not (aligned(N, d.itemsize) and aligned(K, d.itemsize)) for d in dtypes):
+        return False  # the padded path may take large problems
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return not _tuned.weight_used(index, dtypes, N, K, TRITON_MIN_SAVING_US)

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .api import linear
+from .api import linear, linear_forward
 
 
 class TritonLinear(nn.Linear):
@@ -39,8 +39,7 @@ class TritonLinear(nn.Linear):
         return f"{super().extra_repr()}, activation={self.activation!r}"
 
 
-def _swapped_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    return linear(input, self.weight, self.bias)
+_swapped_forward = linear_forward  # nn.Linear.forward through tritonmm
 
 
 _swap_classes: dict[type, type] = {}
@@ -121,8 +120,7 @@ _original_forward = nn.Linear.forward
 _forward_before_patch = None  # what nn.Linear.forward was when patch_linear() took over
 
 
-def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    return linear(input, self.weight, self.bias)
+_patched_forward = linear_forward
 
 
 class _Patch:

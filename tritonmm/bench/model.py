@@ -77,15 +77,22 @@ def _wall_ms(fn, device, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def alternate(runs: dict, device, rounds: int, iters: int, warmup: int = 2) -> dict:
+SAMPLE_MS = 40.0
+"""Wall time of one sample: calls are repeated until a sample takes about this long."""
+
+
+def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) -> dict:
     """Median ms per call of each ``runs[mode] = (context, fn)``, the modes alternated round by round
-    (the order reversed every other round)."""
+    (the order reversed every other round); each sample repeats the call at least ``iters`` times and
+    for about :data:`SAMPLE_MS`."""
     names = list(runs)
     for name in names:
         ctx, fn = runs[name]
         with ctx():
             for _ in range(warmup):
                 fn()
+            once = _wall_ms(fn, device, 1)
+        iters = max(iters, min(200, round(SAMPLE_MS / max(once, 1e-3))))
     times = {n: [] for n in names}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
@@ -299,7 +306,7 @@ def _triton_route_row(device, rounds: int, calls: int) -> dict:
             "over_us": us["tritonmm.matmul"] - us["bare launch"], "ratio": us["bare launch"] / us["tritonmm.matmul"]}
 
 
-def run(device, rounds: int, configs=None, phases=None, progress=print) -> dict:
+def run(device, rounds: int = 9, configs=None, phases=None, progress=print) -> dict:
     """Every phase of every config, then the per-call rows; returns what the JSON holds."""
     gpu = device.type == "cuda"
     configs = configs or (["small", "llama3-8b-2l"] if gpu else ["tiny"])

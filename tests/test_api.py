@@ -1,0 +1,286 @@
+"""The per-call fast path (tritonmm/api.py): which route a geometry takes, and that every route computes
+what torch computes (CPU: Triton kernels through the interpreter)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tritonmm
+from tritonmm import api, dispatch, routes
+from tritonmm.testing import randn
+
+pytestmark = pytest.mark.interpreter
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    tritonmm.clear_cache()
+    yield
+    tritonmm.clear_cache()
+
+
+def _entries():
+    return list(routes._cache.values())
+
+
+def test_torch_route_is_torchs_own_call():
+    """Where every GEMM of a geometry goes to cuBLAS (here: forced), the call is F.linear / torch.matmul
+    itself: same values bit for bit, torch's own autograd node."""
+    x, w, b = randn(6, 10).requires_grad_(), randn(7, 10).requires_grad_(), randn(7)
+    with tritonmm.force_backend("torch"):
+        y = tritonmm.linear(x, w, b)
+        z = tritonmm.matmul(y, randn(7, 3))
+    assert F.linear in _entries() and torch.matmul in _entries()
+    assert torch.equal(y, F.linear(x, w, b)) and type(y.grad_fn).__name__ == "AddmmBackward0"
+    assert type(z.grad_fn).__name__ == "MmBackward0"
+
+
+def test_float64_is_torchs_whatever_the_forcing():
+    x, w = randn(5, 8, dtype=torch.float64), randn(3, 8, dtype=torch.float64)
+    with tritonmm.force_backend("triton"):
+        assert torch.equal(tritonmm.linear(x, w), F.linear(x, w))
+    assert _entries() == [F.linear]
+
+
+def test_triton_route_values_and_gradients():
+    x, w, b = randn(2, 9, 24).requires_grad_(), randn(12, 24).requires_grad_(), randn(12).requires_grad_()
+    y = tritonmm.linear(x, w, b, "gelu")
+    assert isinstance(_entries()[0], routes.Route) and type(y.grad_fn).__name__ == "_LinearFunctionBackward"
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = F.gelu(F.linear(xd, wd, bd))
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    ref.square().sum().backward()
+    for got, want in ((x.grad, xd.grad), (w.grad, wd.grad), (b.grad, bd.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_backward_only_route(monkeypatch):
+    """A geometry whose forward is cuBLAS but whose backward GEMMs may reach Triton: calls without
+    autograd go to F.linear itself, calls with autograd to tritonmm's Function."""
+    answers = iter([True, False])  # forward: torch everywhere; backward: not
+    monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: next(answers))
+    x, w = randn(4, 16).requires_grad_(), randn(8, 16).requires_grad_()
+    with torch.no_grad():
+        y0 = tritonmm.linear(x, w)
+    route = _entries()[0]
+    assert isinstance(route, routes.Route) and route.forward_torch
+    assert torch.equal(y0, F.linear(x, w)) and not route.runs  # no runner: torch served it
+    y1 = tritonmm.linear(x, w)
+    assert type(y1.grad_fn).__name__ == "_LinearFunctionBackward"
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-5)
+
+
+def test_second_key_separates_layouts_and_shapes():
+    """One route (same element count and weight) serves operands of other strides and shapes, each
+    with its own runner and the right result."""
+    w = randn(5, 8)
+    base = randn(6, 6, 8)
+    views = [base[:2, :3], base[:3, :2], randn(6, 8), randn(8, 6).t()]  # equal strides, other shapes; a transpose
+    for x in views:
+        got = tritonmm.linear(x, w)
+        assert got.shape == (*x.shape[:-1], 5)
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    (route,) = _entries()
+    assert len(route.runs) == len(views)
+
+
+def test_second_key_checks_the_weights_dtype_and_the_bias():
+    x, w = randn(4, 16), randn(8, 16)
+    tritonmm.linear(x, w)
+    with pytest.raises(RuntimeError, match="dtype"):
+        tritonmm.linear(x, w.half())  # same first key (x decides it): the second catches the mismatch
+    with pytest.raises(RuntimeError):
+        tritonmm.linear(x, w, randn(3))
+    with pytest.raises(TypeError, match="bias"):
+        tritonmm.linear(x, w, 1.0)
+
+
+def test_autocast_on_the_triton_route_reuses_the_weight_cast():
+    """fp32 weights under bf16 autocast: the Triton route casts as F.linear does, and reuses a parameter's
+    cast until the parameter changes (torch's autocast cache does the same for its own ops)."""
+    lin = torch.nn.Linear(16, 8)
+    x = randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y1 = tritonmm.linear(x, lin.weight, lin.bias)
+        cast = routes._weight_casts[id(lin.weight)][2]
+        y2 = tritonmm.linear(x, lin.weight, lin.bias)
+        assert routes._weight_casts[id(lin.weight)][2] is cast
+        want = F.linear(x, lin.weight, lin.bias)
+    assert y1.dtype == y2.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(y1.float(), want.float(), rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # a new version: the next cast is new
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tritonmm.linear(x, lin.weight, lin.bias)
+    assert routes._weight_casts[id(lin.weight)][2] is not cast
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_dispatch_modes_see_every_route(backend):
+    """A dispatch mode (e.g. a FLOP counter) sees the op (Triton route) or torch's own ops (torch route):
+    no route bypasses it."""
+    x, w = randn(4, 16), randn(8, 16)
+    with tritonmm.force_backend(backend):
+        tritonmm.linear(x, w)  # the route exists before the mode starts
+        with _Recorder() as rec:
+            tritonmm.linear(x, w)
+    want = "tritonmm.linear" if backend == "auto" else "aten."
+    assert any(op.startswith(want) for op in rec.ops), rec.ops
+
+
+def _aot_graphs(fn, *args, dynamic=False):
+    """The forward graphs AOTAutograd produces for ``fn`` compiled with fullgraph=True."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = []
+
+    def backend(gm, inputs):
+        def fw(g, ins):
+            graphs.append(g)
+            return make_boxed_func(g.forward)
+        return aot_module_simplified(gm, inputs, fw_compiler=fw)
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
+    return out, [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_torch_decision_is_plain_aten(dynamic):
+    """Under torch.compile a cuBLAS decision leaves only aten ops in the graph: nothing of tritonmm runs
+    per call."""
+    x, w, b = randn(6, 16), randn(8, 16), randn(8)
+    with tritonmm.force_backend("torch"):
+        out, targets = _aot_graphs(lambda x: tritonmm.linear(x, w, b, "relu") @ w, x, dynamic=dynamic)
+    assert not any("tritonmm" in t for t in targets) and any("addmm" in t or "mm" in t for t in targets), targets
+    torch.testing.assert_close(out, F.relu(F.linear(x, w, b)) @ w)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_triton_decision_runs_the_kernel(dynamic):
+    """Under the interpreter a Triton decision is the kernel behind the opaque kernel op (on CUDA it is a
+    wrap_triton launch: tests/test_gpu.py)."""
+    x, w, b = randn(6, 16), randn(8, 16), randn(8)
+    out, targets = _aot_graphs(lambda x: tritonmm.linear(x, w, b, "silu"), x, dynamic=dynamic)
+    assert any("tritonmm.kernel_linear" in t for t in targets), targets
+    torch.testing.assert_close(out, F.silu(F.linear(x, w, b)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_export_keeps_the_op(backend):
+    """torch.export records tritonmm's op (a high-level, serializable graph), whatever the decision."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    m = tritonmm.swap_linear(M())
+    x = randn(4, 16)
+    with tritonmm.force_backend(backend):
+        ep = torch.export.export(m, (x,))
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert "tritonmm.linear.default" in targets, targets
+    torch.testing.assert_close(ep.module()(x), F.linear(x, m.lin.weight, m.lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_opcheck_kernel_ops(kernel):
+    a, b = randn(9, 24), randn(24, 7)
+    torch.library.opcheck(torch.ops.tritonmm.kernel_matmul.default, (a, b, kernel, ""))
+    torch.library.opcheck(torch.ops.tritonmm.kernel_linear.default, (a, b.t(), randn(7), "gelu", kernel, ""))
+
+
+def test_padded_rule_needs_an_unaligned_k_or_n(monkeypatch):
+    """The padded path is for unaligned K or N; aligned sizes stay plain cuBLAS, so the fast path can call
+    torch directly for them."""
+    monkeypatch.setattr(dispatch._tuned, "entry", lambda device, dtype, p: None)
+    monkeypatch.setattr(dispatch._tuned, "has_kernel", lambda *a: False)
+    cuda = torch.device("cuda")
+    bf16 = torch.bfloat16
+    assert dispatch.torch_everywhere([(4096, 4096, 4096, 1)], bf16, cuda)
+    assert not dispatch.torch_everywhere([(4096, 4097, 4096, 1)], bf16, cuda)
+    assert dispatch.torch_everywhere([(16, 4097, 4096, 1)], bf16, cuda)  # memory-bound: no copies
+    assert not dispatch._pads(4096, 4096, 4096, bf16) and dispatch._pads(4096, 4096, 4095, bf16)
+
+
+@pytest.fixture
+def everything_torch(monkeypatch):
+    """Dispatch as on a GPU whose table never picks Triton for these sizes (the interpreter otherwise
+    sends every CPU call to Triton)."""
+    monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: True)
+    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device: True)
+
+
+def test_weight_plan_skips_the_key(everything_torch, monkeypatch):
+    """A weight free of tritonmm gets a plan on its first call; later calls are F.linear itself with no
+    key built, until the weight changes storage or shape, or something is forced."""
+    keyed = []
+    orig = routes.linear_keyed
+    monkeypatch.setattr(routes, "linear_keyed", lambda *a: keyed.append(1) or orig(*a))
+    lin = tritonmm.swap_linear(torch.nn.Linear(16, 8))
+    x = randn(4, 16)
+    lin(x)
+    assert len(keyed) == 1 and routes.plans[id(lin.weight)][0]
+    for _ in range(3):
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+        tritonmm.linear(x, lin.weight)
+    assert len(keyed) == 1
+    lin.weight.data = randn(8, 16)  # new storage: the plan is stale
+    lin(x)
+    assert len(keyed) == 2
+    with tritonmm.force_backend("torch"):
+        lin(x)  # forcing bypasses plans
+    assert len(keyed) == 3
+    tritonmm.clear_cache()
+    assert not routes.plans
+
+
+def test_weight_plan_for_a_weight_that_may_reach_triton(monkeypatch):
+    """A weight that is not free keeps taking the keyed route (here: to Triton for this M)."""
+    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device: False)
+    w, x = randn(8, 16), randn(4, 16)
+    with tritonmm.force_backend("torch"):
+        tritonmm.linear(x, w)
+    assert id(w) not in routes.plans  # forced: no plan made
+    tritonmm.linear(x, w)
+    assert isinstance(_entries()[-1], routes.Route) and id(w) not in routes.plans  # a Triton route: no plan
+
+
+def test_weight_free_reads_every_gemm_of_the_weight(monkeypatch):
+    """A table entry for the forward (N, K), the input gradient (K, N) or the weight gradient (M = N,
+    N = K) of a weight takes it off the plan; entries for other sizes do not; unaligned sizes never plan."""
+    from tritonmm import tuned
+
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_stages": 4, "num_warps": 4}
+    win = {"backend": "triton", "kernel": "pointer", "config": cfg, "triton_us": 10.0, "torch_us": 20.0}
+    cuda = torch.device("cuda", 0)
+
+    def free_with(key):
+        monkeypatch.setattr(tuned, "_table_for", lambda index: {key: win})
+        tuned.weight_used.cache_clear()
+        return dispatch.weight_free(512, 1024, torch.bfloat16, cuda)
+
+    assert not free_with("bfloat16:16:512:1024:nt")  # forward
+    assert not free_with("float16:128:1024:512:nn")  # input gradient, sibling dtype
+    assert not free_with("bfloat16:512:1024:4096:tn")  # weight gradient: M = N, N = K
+    assert free_with("bfloat16:16:512:2048:nt")  # another K
+    assert free_with("float32:16:512:1024:nt")  # float32 entries do not touch a bfloat16 weight
+    assert free_with("bfloat16:16:520:1024:nt")  # another N
+    assert not dispatch.weight_free(512, 1020, torch.bfloat16, cuda)  # K not 16-byte aligned
+    tuned.weight_used.cache_clear()

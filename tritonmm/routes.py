@@ -1,0 +1,341 @@
+"""Routes: the keyed part of the fast path, for calls the weight plans of :mod:`tritonmm.api` do not serve.
+
+A call builds a small key (shapes, dtypes, device, autocast dtype, forcing state, environment) and
+looks up a callable resolved on the first call with that key:
+
+* where the dispatcher sends the forward GEMM and both backward GEMMs to cuBLAS whatever the
+  operands' strides (:func:`dispatch.torch_everywhere`), the callable *is* ``F.linear`` /
+  ``torch.matmul``: torch's own autograd, autocast (with its weight-cast cache), functorch and
+  mode handling apply;
+* otherwise a :class:`Route` runs the runner (:mod:`tritonmm.runners`) directly for plain eager
+  tensors, a ``torch.autograd.Function`` over the same runner where autograd is needed, and the
+  ``torch.library`` op for everything else (tensor subclasses, modes, tracing).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import dispatch, grads, modes, runners, shapes
+from ._env import raw_get, raw_name
+
+CACHE_MAX = 4096
+_cache: dict = {}
+_forced = dispatch._forced.get
+_any_autocast = torch._C._is_any_autocast_enabled
+_grad_enabled = torch.is_grad_enabled
+_fp32_precision = getattr(torch._C, "_get_float32_matmul_precision", torch.get_float32_matmul_precision)
+_is_compiling = torch.compiler.is_compiling
+_F32 = torch.float32
+_BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")  # decide routes; the rest: per runner
+_AUTOTUNE = raw_name("TRITONMM_AUTOTUNE")
+_RUNS_MAX = 64  # runners per route (operand layouts and alignments), then cleared
+_PLAIN = modes.PLAIN
+_functorch_active = modes._functorch_active
+_fw_ad = modes._fw_ad
+_tracing_state = modes._tracing_state
+_function_modes = modes._function_modes
+_dispatch_modes = modes._dispatch_modes
+_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.AutocastCPU)
+
+
+def _autocast_dtype(t: Tensor):
+    """The autocast dtype of ``t``'s device type, or None where autocast is off there."""
+    device_type = "cuda" if t.is_cuda else "cpu"  # (other device types never reach a Triton kernel)
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _cast(t, dtype):
+    """An autocast cast, as torch's autocast casts matmul / linear inputs (floating, not float64)."""
+    if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.dtype != dtype:
+        return t.to(dtype)
+    return t
+
+
+_weight_casts: dict = {}
+
+
+def _cast_weight(t, dtype):
+    """:func:`_cast`, reusing one cast of a leaf parameter until it changes (its version counter), as
+    torch's autocast cache reuses weight casts within an autocast region. Dropped when the parameter
+    is freed, and by :func:`tritonmm.clear_cache`."""
+    if not (isinstance(t, Tensor) and t.is_leaf and t.requires_grad and torch.is_autocast_cache_enabled()):
+        return _cast(t, dtype)
+    if t.dtype == dtype or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    key = id(t)
+    hit = _weight_casts.get(key)
+    grad = _grad_enabled()
+    if hit is not None and hit[0]() is t and hit[1] == (t._version, dtype, t.device, grad):
+        return hit[2]
+    cast = t.to(dtype)
+    _weight_casts[key] = (weakref.ref(t, lambda _, k=key: _weight_casts.pop(k, None)), (t._version, dtype, t.device,
+                                                                                      grad), cast)
+    return cast
+
+
+class _MatmulFunction(torch.autograd.Function):
+    """``tritonmm::matmul`` in eager mode with autograd: the runner forward, :mod:`tritonmm.grads` backward."""
+
+    @staticmethod
+    def forward(ctx, a, b):  # ctx-style forward: Function.apply binds no signature per call
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):  # inputs are cast already
+            out = runners.matmul(a, b)
+        grads.matmul_setup_context(ctx, (a, b), out)
+        return out
+
+    backward = staticmethod(grads.matmul_backward)
+
+
+class _LinearFunction(torch.autograd.Function):
+    """``tritonmm::linear`` in eager mode with autograd: the runner forward, :mod:`tritonmm.grads` backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            out = runners.linear(x, weight, bias, activation)
+        grads.linear_setup_context(ctx, (x, weight, bias, activation), out)
+        return out
+
+    backward = staticmethod(grads.linear_backward)
+
+
+def _needs_grad(*tensors) -> bool:
+    if not _grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def matmul_slow(a: Tensor, b: Tensor) -> Tensor:
+    """Every mode: torch itself, the op, the autograd Function or the runner."""
+    _require_tensor("input", a, "matmul")
+    _require_tensor("other", b, "matmul")
+    if modes.torch_only(a, b):
+        return torch.matmul(a, b)
+    if not (modes.eager() and modes.plain(a, b)):
+        return torch.ops.tritonmm.matmul(a, b)
+    if _any_autocast():
+        dtype = _autocast_dtype(a)
+        if dtype is not None:
+            a, b = _cast(a, dtype), _cast_weight(b, dtype)
+    if _needs_grad(a, b):
+        return _MatmulFunction.apply(a, b)
+    return runners.matmul(a, b)
+
+
+def linear_slow(x: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
+    """As :func:`_matmul_slow`, for linear."""
+    _require_tensor("input", x, "linear")
+    _require_tensor("weight", weight, "linear")
+    if bias is not None:
+        _require_tensor("bias", bias, "linear")
+    if modes.torch_only(x, weight, bias):  # under autograd / functorch: activation out of place
+        return runners.torch_linear(x, weight, bias, activation, inplace=False)
+    if not (modes.eager() and modes.plain(x, weight, bias)):
+        return torch.ops.tritonmm.linear(x, weight, bias, activation)
+    if _any_autocast():
+        dtype = _autocast_dtype(x)
+        if dtype is not None:
+            x, weight, bias = _cast(x, dtype), _cast_weight(weight, dtype), _cast_weight(bias, dtype)
+    if _needs_grad(x, weight, bias):
+        return _LinearFunction.apply(x, weight, bias, activation)
+    return runners.linear(x, weight, bias, activation)
+
+
+class Route:
+    """A geometry that may reach a Triton kernel: ``(a, b, bias) -> Tensor``.
+
+    Plain eager calls without autograd or autocast look their runner up by the operands' strides,
+    alignment and the remaining dtypes and devices (a second, smaller key) and run it; every other
+    call takes :func:`linear_slow` / :func:`matmul_slow`. Where only the backward GEMMs may reach
+    Triton (``forward_torch``), calls that need no gradient go to torch directly.
+    """
+
+    __slots__ = ("torch_call", "forward_torch", "op", "activation", "autocast", "runs")
+
+    def __init__(self, torch_call, forward_torch: bool, op: str, activation: str, autocast):
+        self.torch_call, self.forward_torch, self.op, self.activation = torch_call, forward_torch, op, activation
+        self.autocast = autocast
+        self.runs: dict = {}
+
+    def __call__(self, a, b, bias=None):
+        try:
+            grad = _grad_enabled() and (a.requires_grad or b.requires_grad or bias is not None and bias.requires_grad)
+        except AttributeError:  # a non-tensor operand: the slow path raises torch's TypeError
+            return self.slow(a, b, bias)
+        if grad:
+            return self.slow(a, b, bias)
+        if self.forward_torch:
+            return self.torch_call(a, b, bias) if self.op == "linear" else self.torch_call(a, b)
+        if (self.autocast or type(a) not in _PLAIN or type(b) not in _PLAIN or _functorch_active()
+                or _fw_ad._current_level >= 0 or _tracing_state() is not None or _function_modes() or _dispatch_modes()
+                or a.is_neg() or b.is_neg() or a._is_zerotensor() or b._is_zerotensor()):
+            return self.slow(a, b, bias)
+        try:
+            key = (a.shape, a.stride(), b.stride(), b.dtype, b.device, a.data_ptr() & 15, b.data_ptr() & 15,
+                   None if bias is None else (type(bias), bias.shape, bias.stride(), bias.dtype, bias.device,
+                                              bias.data_ptr() & 15), raw_get(_AUTOTUNE))
+        except (AttributeError, RuntimeError, TypeError):  # sparse, no storage, a non-tensor bias
+            return self.slow(a, b, bias)
+        prepared = self.runs.get(key)
+        if prepared is None:
+            if not modes.plain(a, b, bias) or modes.torch_only(a, b, bias):
+                return self.slow(a, b, bias)
+            if len(self.runs) >= _RUNS_MAX:
+                self.runs.clear()
+            prepared = self.runs[key] = runners.lookup(a, b, bias, self.activation, self.op)  # shared with explain
+        return prepared.run(a, b, bias)
+
+    def slow(self, a, b, bias):
+        if self.op == "linear":
+            return linear_slow(a, b, bias, self.activation)
+        return matmul_slow(a, b)
+
+
+def _torch_linear_call(activation: str):
+    if activation == "none":
+        return F.linear
+    return lambda x, w, b: runners.torch_linear(x, w, b, activation, inplace=not _needs_grad(x, w, b))
+
+
+def _torch_matmul_call(a: Tensor, b: Tensor):
+    if b.dim() <= 2 or a.dim() >= b.dim():
+        return torch.matmul
+    return lambda x, y: torch.matmul(x, y).contiguous()  # the result is contiguous, as documented
+
+
+def _effective_dtype(t: Tensor, autocast) -> torch.dtype:
+    if autocast and t.is_floating_point() and t.dtype != torch.float64:
+        return autocast
+    return t.dtype
+
+
+def _remember(key, entry):
+    if len(_cache) >= CACHE_MAX:
+        _cache.clear()
+    _cache[key] = entry
+    return entry
+
+
+def _linear_entry(key, x: Tensor, weight: Tensor, bias, activation: str, autocast):
+    """Resolve a linear geometry (cache miss): validate, then decide its forward and backward GEMMs."""
+    if autocast:  # validate as F.linear would see the operands: cast
+        shapes.check_linear(_cast(x, autocast), _cast(weight, autocast), _cast(bias, autocast), activation)
+    else:
+        shapes.check_linear(x, weight, bias, activation)
+    N, K = weight.shape
+    M = math.prod(x.shape[:-1])
+    dtype = _effective_dtype(x, autocast)
+    fwd = dispatch.torch_everywhere([(M, N, K, 1)], dtype, x.device)
+    bwd = fwd and dispatch.torch_everywhere([(M, K, N, 1), (N, K, M, 1)], dtype, x.device)
+    call = _torch_linear_call(activation)
+    return _remember(key, call if bwd else Route(call, fwd, "linear", activation, autocast))
+
+
+def _matmul_problems(a: Tensor, b: Tensor) -> list:
+    """Every (M, N, K, batch) the forward and backward GEMMs of ``a @ b`` can become (folded or batched)."""
+    a_shape = (1, *a.shape) if a.dim() == 1 else tuple(a.shape)
+    b_shape = (*b.shape, 1) if b.dim() == 1 else tuple(b.shape)
+    M, K = a_shape[-2:]
+    N = b_shape[-1]
+    batch = math.prod(torch.broadcast_shapes(a_shape[:-2], b_shape[:-2]))
+    fwd = [(M, N, K, batch), (M * batch, N, K, 1)]
+    bwd = [(M, K, N, batch), (M * batch, K, N, 1), (K, N, M, batch), (K, N, M * batch, 1)]
+    return fwd, bwd
+
+
+def _matmul_entry(key, a: Tensor, b: Tensor, autocast):
+    """Resolve a matmul geometry (cache miss), as :func:`_linear_entry`."""
+    shapes.check_inputs(_cast(a, autocast), _cast(b, autocast)) if autocast else shapes.check_inputs(a, b)
+    fwd_problems, bwd_problems = _matmul_problems(a, b)
+    dtype = _effective_dtype(a, autocast)
+    fwd = dispatch.torch_everywhere(fwd_problems, dtype, a.device)
+    bwd = fwd and dispatch.torch_everywhere(bwd_problems, dtype, a.device)
+    call = _torch_matmul_call(a, b)
+    return _remember(key, call if bwd else Route(call, fwd, "matmul", "none", autocast))
+
+
+def _require_tensor(name: str, value, op: str) -> None:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"tritonmm.{op}(): argument '{name}' must be Tensor, not {type(value).__name__}")
+
+
+
+
+PLANS_MAX = 1 << 16
+plans: dict = {}
+"""Weight plans: id(weight) -> (free, data_ptr, shape), ``free`` as :func:`dispatch.weight_free` says."""
+
+
+def plan(weight: Tensor, N: int, K: int) -> None:
+    """Record whether ``weight``, read as an (N, K) linear weight, is free of tritonmm (never reaches a
+    Triton kernel or the padded path under automatic dispatch), unless its plan is current. Called where
+    a call of the weight resolved to torch itself; plans are made in the default state only (nothing
+    forced), for plain tensors."""
+    if _forced() is not None or raw_get(_BACKEND) is not None or raw_get(_KERNEL) is not None:
+        return
+    if type(weight) not in _PLAIN or not modes.plain(weight):
+        return
+    ptr, shape = weight.data_ptr(), weight.shape
+    current = plans.get(id(weight))
+    if current is not None and current[1] == ptr and current[2] == shape:
+        return
+    if len(plans) >= PLANS_MAX:
+        plans.clear()
+    plans[id(weight)] = (dispatch.weight_free(N, K, weight.dtype, weight.device), ptr, shape)
+
+
+def matmul_keyed(input: Tensor, other: Tensor) -> Tensor:
+    """``tritonmm.matmul`` through the keyed cache."""
+    try:
+        dtype = input.dtype
+        key = (input.shape, other.shape, dtype, input.device, _any_autocast() and _autocast_dtype(input),
+               _forced(), raw_get(_BACKEND), raw_get(_KERNEL), _fp32_precision() if dtype is _F32 else None)
+    except (AttributeError, RuntimeError, TypeError):  # not tensors, nested tensors: every check
+        return matmul_slow(input, other)
+    fn = _cache.get(key)
+    if fn is None:
+        _require_tensor("input", input, "matmul")
+        _require_tensor("other", other, "matmul")
+        if modes.torch_only(input, other) or not modes.plain(input, other):
+            return matmul_slow(input, other)
+        fn = _matmul_entry(key, input, other, key[4])
+    if fn is torch.matmul and other.dim() == 2:
+        plan(other, other.shape[1], other.shape[0])
+    return fn(input, other)
+
+
+def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
+    """``tritonmm.linear`` through the keyed cache."""
+    try:  # x enters by its element count: with weight (N, K) that fixes M (a wrong K is caught by F.linear)
+        dtype = input.dtype
+        key = (input.numel(), weight.shape, dtype, input.device, activation,
+               _any_autocast() and _autocast_dtype(input), _forced(), raw_get(_BACKEND), raw_get(_KERNEL),
+               _fp32_precision() if dtype is _F32 else None)
+    except (AttributeError, RuntimeError, TypeError):  # not tensors, nested tensors: every check
+        return linear_slow(input, weight, bias, activation)
+    fn = _cache.get(key)
+    if fn is None:
+        _require_tensor("input", input, "linear")
+        _require_tensor("weight", weight, "linear")
+        if bias is not None:
+            _require_tensor("bias", bias, "linear")
+        if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias):
+            return linear_slow(input, weight, bias, activation)
+        fn = _linear_entry(key, input, weight, bias, activation, key[5])
+    if fn is F.linear:
+        plan(weight, *weight.shape)
+    return fn(input, weight, bias)
+
+
+def clear() -> None:
+    """Forget every route and weight cast."""
+    _cache.clear()
+    _weight_casts.clear()
+    plans.clear()
