@@ -17,25 +17,32 @@ for step in "$@"; do
     info) nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv
           python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" ;;
     host) T 90 python3 - <<'PY'
-import copy, timeit, os, torch, torch.nn.functional as F, tritonmm
-from tritonmm import api
+import copy, cProfile, pstats, timeit, torch, torch.nn.functional as F, tritonmm
+from tritonmm import routes
+from tritonmm.kernels import launchers
 x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
 lin = torch.nn.Linear(2048, 5632, device="cuda", dtype=torch.bfloat16); sw = tritonmm.swap_linear(copy.deepcopy(lin))
 w = lin.weight.detach(); b = lin.bias.detach()
-e = os.environ._data.get
-g = dict(api=api, x=x, w=w, b=b, F=F, torch=torch, tritonmm=tritonmm, lin=lin, sw=sw, e=e, B=b"TRITONMM_BACKEND",
-         ic=torch.compiler.is_compiling, aa=torch._C._is_any_autocast_enabled, fg=api._forced, c=api._cache)
-tritonmm.linear(x, w, b)
-def keyed(input, weight, bias=None, activation="none"):
-    dtype = input.dtype
-    key = (input.numel(), weight.shape, dtype, input.get_device(), activation, aa() and 1, fg(), e(B), e(B), None)
-    return c.get(key)
-g["keyed"] = keyed
+a = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16); bb = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+g = dict(F=F, torch=torch, tritonmm=tritonmm, lin=lin, sw=sw, x=x, w=w, b=b, a=a, bb=bb)
+def t(s, n=20000):
+    r = sorted(timeit.timeit(s, globals=g, number=n) / n * 1e9 for _ in range(9)); return r[4]
 with torch.no_grad():
-    for s in ["F.linear(x, w, b)", "tritonmm.linear(x, w, b)", "lin(x)", "sw(x)", "keyed(x, w, b)", "ic()", "aa()",
-              "x.numel()", "w.shape", "x.get_device()", "hash(w.shape)", "(x.numel(), w.shape, x.dtype)"]:
-        n = 20000; r = [timeit.timeit(s, globals=g, number=n) / n * 1e9 for _ in range(7)]
-        print(f"{sorted(r)[len(r) // 2]:9.1f} ns  {s}")
+    tritonmm.linear(x, w, b); sw(x)
+    for s in ["F.linear(x, w, b)", "tritonmm.linear(x, w, b)", "lin(x)", "sw(x)", "torch.matmul(a, bb)"]:
+        print(f"{t(s):9.1f} ns  {s}")
+    with tritonmm.force_backend("triton", "pointer"):
+        tritonmm.matmul(a, bb)
+        route = next(v for v in routes._cache.values() if isinstance(v, routes.Route))
+        prepared = next(iter(route.runs.values()))
+        launch = prepared.run.__closure__ and None
+        g.update(route=route, prepared=prepared)
+        for s in ["tritonmm.matmul(a, bb)", "routes.matmul_keyed(a, bb)", "route(a, bb)", "prepared.run(a, bb, None)"]:
+            g["routes"] = routes
+            print(f"{t(s):9.1f} ns  {s}")
+        cProfile.run("for _ in range(20000): tritonmm.matmul(a, bb)", "/tmp/prof")
+    cfg = tritonmm.explain(a, bb).config
+pstats.Stats("/tmp/prof").sort_stats("tottime").print_stats(14)
 PY
     ;;
     tests) T "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \

@@ -284,3 +284,22 @@ def test_weight_free_reads_every_gemm_of_the_weight(monkeypatch):
     assert free_with("bfloat16:16:520:1024:nt")  # another N
     assert not dispatch.weight_free(512, 1020, torch.bfloat16, cuda)  # K not 16-byte aligned
     tuned.weight_used.cache_clear()
+
+
+def test_forward_only_plan(monkeypatch):
+    """A weight free of tritonmm in its forward only (its gradients may reach Triton): calls without
+    autograd are F.linear itself; calls that need gradients take the route, whose Function runs them."""
+    monkeypatch.setattr(dispatch, "torch_everywhere",
+                        lambda problems, dtype, device: len(problems) == 1)  # the forward's list: torch
+    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device, backward=True: not backward)
+    keyed = []
+    orig = routes.linear_keyed
+    monkeypatch.setattr(routes, "linear_keyed", lambda *a: keyed.append(1) or orig(*a))
+    w, x = randn(8, 16).requires_grad_(), randn(4, 16)
+    with torch.no_grad():
+        tritonmm.linear(x, w)
+        assert routes.plans[id(w)][0] == 1
+        y = tritonmm.linear(x, w)
+    assert len(keyed) == 1 and torch.equal(y, F.linear(x, w))
+    z = tritonmm.linear(x, w)  # autograd: not planned
+    assert len(keyed) == 2 and type(z.grad_fn).__name__ == "_LinearFunctionBackward"

@@ -24,20 +24,24 @@ from ._env import raw_get, raw_name
 _plans_get = routes.plans.get
 _forced = dispatch._forced.get
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 _F_linear = F.linear
 _matmul = torch.matmul
 _BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")
 
 
-def _planned(weight) -> bool:
-    """Whether ``weight`` has a current plan sending its GEMMs to torch, in the default state
+def _planned(weight, x, bias) -> bool:
+    """Whether ``weight`` has a current plan sending this call's GEMMs to torch, in the default state
     (nothing forced). See :func:`tritonmm.routes.plan`."""
     plan = _plans_get(id(weight))
     if plan is None or not plan[0] or _forced() is not None or raw_get(_BACKEND) is not None \
             or raw_get(_KERNEL) is not None:
         return False
     try:
-        return plan[1] == weight.data_ptr() and plan[2] == weight.shape
+        if plan[1] != weight.data_ptr() or plan[2] != weight.shape:
+            return False
+        return plan[0] == 2 or not (_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                         or bias is not None and bias.requires_grad))
     except (AttributeError, RuntimeError):  # not a tensor, no storage
         return False
 
@@ -66,7 +70,7 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
     """
     if _is_compiling():
         return routes.matmul_slow(input, other)
-    if _planned(other):
+    if _planned(other, input, None):
         return _matmul(input, other)
     return routes.matmul_keyed(input, other)
 
@@ -93,17 +97,17 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     """
     if _is_compiling():
         return routes.linear_slow(input, weight, bias, activation)
-    if activation == "none" and _planned(weight):
+    if activation == "none" and _planned(weight, input, bias):
         return _F_linear(input, weight, bias)
     return routes.linear_keyed(input, weight, bias, activation)
 
 
 def linear_forward(self, input: Tensor) -> Tensor:
     """``nn.Linear.forward`` through tritonmm (the forward of swapped and patched modules)."""
-    weight = self.weight
-    if not _is_compiling() and _planned(weight):
-        return _F_linear(input, weight, self.bias)
-    return linear(input, weight, self.bias)
+    weight, bias = self.weight, self.bias
+    if not _is_compiling() and _planned(weight, input, bias):
+        return _F_linear(input, weight, bias)
+    return linear(input, weight, bias)
 
 
 def explain(a: Tensor, b: Tensor) -> dispatch.Decision:

@@ -55,10 +55,10 @@ TMA_COPY_MIN_FLOPS = 2 * 512**3
 """FLOP from which forced Triton copies unaligned operands for the TMA kernel (the pointer kernel below)."""
 PAD_MIN_INTENSITY = 256
 """FLOP/byte below which a GEMM is memory-bound and an operand copy costs more than it saves."""
-TRITON_MIN_SAVING_US = 2.0
-"""µs of GPU time a tuned-table Triton winner must save over cuBLAS to be used: a Triton launch costs
-more host time than a cuBLAS call (``benchmarks/h200_model.json``, ``per_call``), which a host-bound
-loop (decode) pays in full."""
+TRITON_MIN_SAVING_US = 5.0
+"""µs of GPU time a tuned-table Triton winner must save over cuBLAS to be used: the Triton route costs
+more host time per call than a cuBLAS call (``benchmarks/h200_model.json``, ``per_call``, row "Triton
+route"), which a host-bound loop such as decode pays in full."""
 SMALL_M = 64
 """M at or below which a GEMM is memory-bound (weight streaming): pointer or split-K kernel."""
 
@@ -323,10 +323,11 @@ def torch_everywhere(problems, dtype: torch.dtype, device: torch.device) -> bool
     return True
 
 
-def weight_free(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+def weight_free(N: int, K: int, dtype: torch.dtype, device: torch.device, backward: bool = True) -> bool:
     """Whether automatic dispatch sends every GEMM of an (N, K) weight of ``dtype`` on ``device`` to
-    plain torch (cuBLAS): the forward for any number of rows, in ``dtype`` or an autocast dtype, and both
-    gradients. The fast path then calls F.linear / torch.matmul for it without building a key.
+    plain torch (cuBLAS): the forward for any number of rows, in ``dtype`` or an autocast dtype, and (with
+    ``backward``) both gradients. The fast path then calls F.linear / torch.matmul for it without
+    building a key.
 
     Raises:
         ValueError: a forcing environment variable holds an unknown value.
@@ -338,4 +339,4 @@ def weight_free(N: int, K: int, dtype: torch.dtype, device: torch.device) -> boo
     if any(not (aligned(N, d.itemsize) and aligned(K, d.itemsize)) for d in dtypes):
         return False  # the padded path may take large problems
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return not _tuned.weight_used(index, dtypes, N, K, TRITON_MIN_SAVING_US)
+    return not _tuned.weight_used(index, dtypes, N, K, TRITON_MIN_SAVING_US, backward)

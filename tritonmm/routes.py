@@ -157,31 +157,31 @@ class Route:
     Triton (``forward_torch``), calls that need no gradient go to torch directly.
     """
 
-    __slots__ = ("torch_call", "forward_torch", "op", "activation", "autocast", "runs")
+    __slots__ = ("torch_call", "forward_torch", "op", "activation", "autocast", "runs", "dtype", "index")
 
-    def __init__(self, torch_call, forward_torch: bool, op: str, activation: str, autocast):
+    def __init__(self, torch_call, forward_torch: bool, op: str, activation: str, autocast, a: Tensor):
         self.torch_call, self.forward_torch, self.op, self.activation = torch_call, forward_torch, op, activation
         self.autocast = autocast
+        self.dtype = a.dtype
+        self.index = a.get_device() if a.is_cuda else None  # CPU routes (the interpreter) check devices in full
         self.runs: dict = {}
 
     def __call__(self, a, b, bias=None):
         try:
-            grad = _grad_enabled() and (a.requires_grad or b.requires_grad or bias is not None and bias.requires_grad)
-        except AttributeError:  # a non-tensor operand: the slow path raises torch's TypeError
-            return self.slow(a, b, bias)
-        if grad:
-            return self.slow(a, b, bias)
-        if self.forward_torch:
-            return self.torch_call(a, b, bias) if self.op == "linear" else self.torch_call(a, b)
-        if (self.autocast or type(a) not in _PLAIN or type(b) not in _PLAIN or _functorch_active()
-                or _fw_ad._current_level >= 0 or _tracing_state() is not None or _function_modes() or _dispatch_modes()
-                or a.is_neg() or b.is_neg() or a._is_zerotensor() or b._is_zerotensor()):
-            return self.slow(a, b, bias)
-        try:
-            key = (a.shape, a.stride(), b.stride(), b.dtype, b.device, a.data_ptr() & 15, b.data_ptr() & 15,
+            if _grad_enabled() and (a.requires_grad or b.requires_grad or bias is not None and bias.requires_grad):
+                return self.slow(a, b, bias)
+            if self.forward_torch:
+                return self.torch_call(a, b, bias) if self.op == "linear" else self.torch_call(a, b)
+            if (self.autocast or type(a) not in _PLAIN or type(b) not in _PLAIN or _functorch_active()
+                    or _fw_ad._current_level >= 0 or _tracing_state() is not None or _function_modes()
+                    or _dispatch_modes() or a.is_neg() or b.is_neg() or a._is_zerotensor() or b._is_zerotensor()
+                    or b.dtype is not self.dtype or (b.get_device() != self.index if self.index is not None
+                                                     else b.device.type != "cpu")):
+                return self.slow(a, b, bias)
+            key = (a.shape, a.stride(), b.stride(), a.data_ptr() & 15, b.data_ptr() & 15, raw_get(_AUTOTUNE),
                    None if bias is None else (type(bias), bias.shape, bias.stride(), bias.dtype, bias.device,
-                                              bias.data_ptr() & 15), raw_get(_AUTOTUNE))
-        except (AttributeError, RuntimeError, TypeError):  # sparse, no storage, a non-tensor bias
+                                              bias.data_ptr() & 15))
+        except (AttributeError, RuntimeError, TypeError):  # a non-tensor, sparse or storage-less operand
             return self.slow(a, b, bias)
         prepared = self.runs.get(key)
         if prepared is None:
@@ -235,7 +235,7 @@ def _linear_entry(key, x: Tensor, weight: Tensor, bias, activation: str, autocas
     fwd = dispatch.torch_everywhere([(M, N, K, 1)], dtype, x.device)
     bwd = fwd and dispatch.torch_everywhere([(M, K, N, 1), (N, K, M, 1)], dtype, x.device)
     call = _torch_linear_call(activation)
-    return _remember(key, call if bwd else Route(call, fwd, "linear", activation, autocast))
+    return _remember(key, call if bwd else Route(call, fwd, "linear", activation, autocast, x))
 
 
 def _matmul_problems(a: Tensor, b: Tensor) -> list:
@@ -258,7 +258,7 @@ def _matmul_entry(key, a: Tensor, b: Tensor, autocast):
     fwd = dispatch.torch_everywhere(fwd_problems, dtype, a.device)
     bwd = fwd and dispatch.torch_everywhere(bwd_problems, dtype, a.device)
     call = _torch_matmul_call(a, b)
-    return _remember(key, call if bwd else Route(call, fwd, "matmul", "none", autocast))
+    return _remember(key, call if bwd else Route(call, fwd, "matmul", "none", autocast, a))
 
 
 def _require_tensor(name: str, value, op: str) -> None:
@@ -270,7 +270,8 @@ def _require_tensor(name: str, value, op: str) -> None:
 
 PLANS_MAX = 1 << 16
 plans: dict = {}
-"""Weight plans: id(weight) -> (free, data_ptr, shape), ``free`` as :func:`dispatch.weight_free` says."""
+"""Weight plans: id(weight) -> (free, data_ptr, shape); ``free`` is 2 where :func:`dispatch.weight_free`
+holds for every GEMM of the weight, 1 where only for its forward (calls without autograd), else 0."""
 
 
 def plan(weight: Tensor, N: int, K: int) -> None:
@@ -288,7 +289,9 @@ def plan(weight: Tensor, N: int, K: int) -> None:
         return
     if len(plans) >= PLANS_MAX:
         plans.clear()
-    plans[id(weight)] = (dispatch.weight_free(N, K, weight.dtype, weight.device), ptr, shape)
+    dtype, device = weight.dtype, weight.device
+    free = 2 if dispatch.weight_free(N, K, dtype, device) else int(dispatch.weight_free(N, K, dtype, device, False))
+    plans[id(weight)] = (free, ptr, shape)
 
 
 def matmul_keyed(input: Tensor, other: Tensor) -> Tensor:
@@ -306,7 +309,7 @@ def matmul_keyed(input: Tensor, other: Tensor) -> Tensor:
         if modes.torch_only(input, other) or not modes.plain(input, other):
             return matmul_slow(input, other)
         fn = _matmul_entry(key, input, other, key[4])
-    if fn is torch.matmul and other.dim() == 2:
+    if (fn is torch.matmul or type(fn) is Route and fn.forward_torch) and other.dim() == 2:
         plan(other, other.shape[1], other.shape[0])
     return fn(input, other)
 
@@ -329,7 +332,7 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
         if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias):
             return linear_slow(input, weight, bias, activation)
         fn = _linear_entry(key, input, weight, bias, activation, key[5])
-    if fn is F.linear:
+    if fn is F.linear or type(fn) is Route and fn.forward_torch:
         plan(weight, *weight.shape)
     return fn(input, weight, bias)
 

@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .device import tf32
+
 EPS = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-23}
 TF32_EPS = 2.0**-10
 
@@ -29,7 +31,7 @@ def reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def rounding_unit(dtype: torch.dtype, device: torch.device) -> float:
     """Unit roundoff to allow for: TF32's where torch.matmul would use TF32."""
-    if dtype == torch.float32 and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+    if tf32(dtype, device):
         return TF32_EPS
     return EPS.get(dtype, 2.0**-52)
 

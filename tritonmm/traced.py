@@ -113,6 +113,7 @@ def _launch_pointer(a2: Tensor, b2: Tensor, bias, activation: str, decision: dis
     bias_stride = 0 if bias is None or bias.dim() == 0 or bias.shape[0] == 1 else bias.stride(0)
     even_k = _static(K) and K % cfg["BLOCK_K"] == 0
     meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+    meta["SPLIT_K"] = s
     torch.library.wrap_triton(_matmul_kernel)[(tiles, s)](
         a2, b2, target, bias if bias is not None else out, out, locks,
         M, N, K, 1, 0, 0, sa[0], sa[1], 0, 0, sb[0], sb[1], *sc, M * N if split else 0, bias_stride,

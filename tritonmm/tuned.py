@@ -159,19 +159,21 @@ def has_kernel(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int,
 
 
 @functools.lru_cache(maxsize=4096)
-def weight_used(index: int, dtypes: tuple, N: int, K: int, min_saving_us: float) -> bool:
+def weight_used(index: int, dtypes: tuple, N: int, K: int, min_saving_us: float, backward: bool = True) -> bool:
     """Whether any entry of GPU ``index``'s table that sends a problem to the padded path or to a Triton
     kernel saving at least ``min_saving_us`` could serve a GEMM with an (N, K) weight, in ``dtypes``:
-    its forward (any M, N, K), its input gradient (any M, K, N) or its weight gradient (N, K, any M; or
-    K, N, any M for a matmul operand)."""
+    its forward (any M, N, K) and, with ``backward``, its input gradient (any M, K, N) or its weight
+    gradient (N, K, any M; or K, N, any M for a matmul operand)."""
     names = {str(d).removeprefix("torch.") for d in dtypes}
     for key, e in _table_for(index).items():
         dtype, m, n, k, _ = key.split(":")
         if dtype not in names or not (e.get("kernel") == "padded" or e.get("backend") == "triton" and saves(e, min_saving_us)):
             continue
         n, k, m = int(n), int(k), int(m)
-        if (n, k) in ((N, K), (K, N)) or (m in (m_key(N), bucket(N)) and n == K) or (m in (m_key(K), bucket(K))
-                                                                                      and n == N):
+        if (n, k) == (N, K):
+            return True
+        if backward and ((n, k) == (K, N) or m in (m_key(N), bucket(N)) and n == K
+                         or m in (m_key(K), bucket(K)) and n == N):
             return True
     return False
 

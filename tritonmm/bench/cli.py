@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --model: which configs (default: small and llama3-8b-2l on a GPU, tiny without)")
     p.add_argument("--model-phases", nargs="+", choices=["eager", "train", "compile"], default=None,
                    help="with --model: which phases (default: all; compile needs a GPU)")
-    p.add_argument("--rounds", type=int, default=9, help="with --model: rounds of alternation (default 9)")
+    p.add_argument("--rounds", type=int, default=15, help="with --model: rounds of alternation (default 15)")
     args = p.parse_args(argv)
     if args.markdown and not args.from_json:
         p.error("--markdown prints an earlier run: give it --from-json RUN.json")

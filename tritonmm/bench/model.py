@@ -77,7 +77,7 @@ def _wall_ms(fn, device, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-SAMPLE_MS = 40.0
+SAMPLE_MS = 25.0
 """Wall time of one sample: calls are repeated until a sample takes about this long."""
 
 
@@ -99,14 +99,16 @@ def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) 
             ctx, fn = runs[name]
             with ctx():
                 times[name].append(_wall_ms(fn, device, iters))
-    return {n: statistics.median(t) for n, t in times.items()}
+    return times
 
 
-def _row(phase: str, config: str, ms: dict) -> dict:
-    row = {"config": config, "phase": phase, **{f"{m}_ms": v for m, v in ms.items()}}
-    for m in ms:
+def _row(phase: str, config: str, times: dict) -> dict:
+    """Median ms per mode, and per mode the median over rounds of off time / its time in the same round
+    (paired: drift between rounds cancels)."""
+    row = {"config": config, "phase": phase, **{f"{m}_ms": statistics.median(t) for m, t in times.items()}}
+    for m, t in times.items():
         if m != "off":
-            row[f"{m}_ratio"] = ms["off"] / ms[m]
+            row[f"{m}_ratio"] = statistics.median(o / x for o, x in zip(times["off"], t))
     return row
 
 
@@ -218,7 +220,8 @@ def compile_phase(name: str, device, rounds: int) -> list[dict]:
 
 
 def _per_call_us(pairs: dict, device, rounds: int, calls: int) -> dict:
-    """Median µs per call of each contender, ``calls`` back-to-back calls a sample, contenders alternated."""
+    """µs per call of each contender, ``calls`` back-to-back calls a sample, contenders alternated round
+    by round: medians over rounds, and ``over``: the median over rounds of (second - first) in a round."""
     for fn in pairs.values():
         for _ in range(20):
             fn()
@@ -227,10 +230,12 @@ def _per_call_us(pairs: dict, device, rounds: int, calls: int) -> dict:
     for r in range(rounds):
         for k in (names if r % 2 == 0 else names[::-1]):
             times[k].append(_wall_ms(pairs[k], device, calls) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["over"] = statistics.median(b - a for a, b in zip(times[names[0]], times[names[1]]))
+    return out
 
 
-def per_call_rows(device, rounds: int = 15, calls: int = 300) -> list[dict]:
+def per_call_rows(device, rounds: int = 41, calls: int = 400) -> list[dict]:
     """Host cost per call of each entry point against the torch call it replaces (x 1 x 2048, weight
     5632 x 2048, bf16 on a GPU; fp32 on the CPU), with and without autograd; autocast forward + backward
     with fp32 weights (512 x 2048 x 5632); a GEMM forced to the Triton pointer kernel against a bare
@@ -247,7 +252,7 @@ def per_call_rows(device, rounds: int = 15, calls: int = 300) -> list[dict]:
     def add(what, base, ours, fns, rounds=rounds, calls=calls):
         us = _per_call_us(fns, device, rounds, calls)
         rows.append({"row": what, "torch": base, "tritonmm": ours, "torch_us": us[base], "tritonmm_us": us[ours],
-                     "over_us": us[ours] - us[base], "ratio": us[base] / us[ours]})
+                     "over_us": us["over"], "ratio": us[base] / (us[base] + us["over"])})
 
     x = torch.randn(1, K, device=device, dtype=dtype)
     lin = torch.nn.Linear(K, N, device=device, dtype=dtype)
@@ -274,7 +279,7 @@ def per_call_rows(device, rounds: int = 15, calls: int = 300) -> list[dict]:
             y.float().sum().backward()
 
         add("autocast fwd+bwd 512 x 2048 x 5632, fp32 weights", "nn.Linear", "swapped",
-            {"nn.Linear": lambda: fwd_bwd(lin32), "swapped": lambda: fwd_bwd(sw32)}, rounds=rounds, calls=30)
+            {"nn.Linear": lambda: fwd_bwd(lin32), "swapped": lambda: fwd_bwd(sw32)}, rounds=rounds, calls=20)
         rows.append(_triton_route_row(device, rounds, calls))
     return rows
 
@@ -303,10 +308,10 @@ def _triton_route_row(device, rounds: int, calls: int) -> dict:
         us = _per_call_us({"bare launch": bare, "tritonmm.matmul": lambda: tritonmm.matmul(a, b)}, device, rounds, calls)
     return {"row": "Triton route, forced pointer kernel 16 x 64 x 64", "torch": "bare launch",
             "tritonmm": "tritonmm.matmul", "torch_us": us["bare launch"], "tritonmm_us": us["tritonmm.matmul"],
-            "over_us": us["tritonmm.matmul"] - us["bare launch"], "ratio": us["bare launch"] / us["tritonmm.matmul"]}
+            "over_us": us["over"], "ratio": us["bare launch"] / (us["bare launch"] + us["over"])}
 
 
-def run(device, rounds: int = 9, configs=None, phases=None, progress=print) -> dict:
+def run(device, rounds: int = 15, configs=None, phases=None, progress=print) -> dict:
     """Every phase of every config, then the per-call rows; returns what the JSON holds."""
     gpu = device.type == "cuda"
     configs = configs or (["small", "llama3-8b-2l"] if gpu else ["tiny"])

@@ -77,7 +77,8 @@ class DirectLaunch:
                     self.compiled = k
             return
         g0, g1, g2 = self.grid
-        self.run(g0, g1, g2, current_stream(), *self.head, *args, *self.tail)
+        stream = _getCurrentRawStream(_getDevice()) if _getDevice is not None else current_stream()
+        self.run(g0, g1, g2, stream, *self.head, *args, *self.tail)
 
 
 def input_precision(dtype: torch.dtype, device: torch.device) -> str:
