@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Steps run on the lent H200 (device tool): bash benchmarks/h200_run.sh STEP... ; results under $OUT.
 #   info    GPU, clocks, torch/triton versions
-#   host    cost of the hot path's building blocks on this host (printed)
+#   host    per-call cost of the entry points and of the Triton route's layers on this host, and a profile (printed)
 #   tests   pytest -m gpu on the GPU test modules -> $OUT/gpu_tests.log
 #   gpu_all every gpu-marked test -> $OUT/gpu_all.log
 #   model   python -m tritonmm.bench --model -> $OUT/h200_model.json (MODEL_ARGS adds flags)
 #   suite   python -m tritonmm.bench on SUITE_TAGS (default: every shape) -> $OUT/h200_suite.json
-#   mlp     python -m tritonmm.bench --mlp -> $OUT/h200_mlp.json
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -53,7 +52,6 @@ PY
              2>&1 | grep -v "Warning\|warn(" | tee "$OUT/model.log" | tail -60 ;;
     suite) T "${BENCH_TIMEOUT:-300}" python3 -m tritonmm.bench --rep 60 ${SUITE_TAGS:+--tags $SUITE_TAGS} \
              --json "$OUT/h200_suite.json" ;;
-    mlp) T "${MLP_TIMEOUT:-300}" python3 -m tritonmm.bench --mlp --json "$OUT/h200_mlp.json" 2>&1 | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done

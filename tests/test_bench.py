@@ -139,3 +139,27 @@ def test_markdown_inductor_columns_and_bad_json(tmp_path, capsys):
     bad.write_text(json.dumps({"floor": []}))
     assert bench.main(["--from-json", str(bad)]) == 2
     assert "not a --json run" in capsys.readouterr().err
+
+
+def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """--model without a GPU: a tiny transformers Llama off / swapped / patched and the per-call rows,
+    every ratio off time / on time, written as JSON and replayed as Markdown."""
+    pytest.importorskip("transformers")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run is the H200 step `model`")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the run, which turns it off for itself
+    out = tmp_path / "model.json"
+    assert bench.main(["--model", "--rounds", "2", "--model-phases", "eager", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    phases = {r["phase"] for r in data["phases"]}
+    assert {"eager prefill 1 x 16", "eager decode 1 seq x 4 tokens"} <= phases
+    for r in data["phases"]:
+        assert r["off_ms"] > 0 and r["swap_ratio"] > 0 and r["patch_ratio"] > 0
+    rows = {r["row"] for r in data["per_call"]}
+    assert {"nn.Linear, no_grad", "F.linear, grad", "matmul, grad"} <= rows
+    assert all(r["torch_us"] > 0 and r["tritonmm_us"] > 0 for r in data["per_call"])
+    capsys.readouterr()
+    assert bench.main(["--from-json", str(out), "--markdown"]) == 0
+    assert "| tiny | eager prefill 1 x 16 |" in capsys.readouterr().out

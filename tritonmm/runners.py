@@ -140,7 +140,7 @@ def prepare(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: s
     """Validate, plan, decide and build the runner for one geometry (the cache-miss path).
 
     Raises:
-        TypeError, ValueError, RuntimeError: as :func:`shapes.check_inputs` / ``ops.check_linear``.
+        TypeError, ValueError, RuntimeError: as :func:`shapes.check_inputs` / :func:`shapes.check_linear`.
     """
     if op == "linear":
         shapes.check_linear(a, b, bias, activation)

@@ -72,10 +72,10 @@ SPLITK_MAX_M = 256  # the largest M whose split-K configs are measured
 
 
 def applicable(kernel: str, M: int, N: int, device) -> bool:
-    from .dispatch import _has_tma
+    from .device import has_tma
 
     if kernel == "tma":
-        return _has_tma(device)
+        return has_tma(device)
     if kernel == "splitk":  # also past SMALL_M: at M = 128 a 4096-wide N is only 32-64 tiles for 132 SMs
         return M <= SPLITK_MAX_M
     return True
@@ -109,7 +109,9 @@ def measure_shape(shape: dict, dtype, layout: str, args, gen) -> dict:
     res = {"tag": shape["tag"], "M": M, "N": N, "K": K, "dtype": str(dtype)[6:], "layout": layout,
            "torch_us": do_bench(lambda: torch.matmul(a, b), warmup=5, rep=args.rep, return_mode="median") * 1e3,
            "configs": []}
-    smem, sms = cfg.device_limits(a.device.index or 0)
+    from .device import limits
+
+    smem, sms = limits(a.device.index or 0)
 
     def check_and_time(entry: dict) -> None:
         """Under the caller's forcing: the error against float64, then the time if within the bound."""

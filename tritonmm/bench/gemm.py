@@ -80,9 +80,8 @@ def bench_matmul_row(shape: dict, dtype: torch.dtype, args, gen) -> dict:
 def inductor_pass(rows: list[dict], work: list, args, progress=iter) -> None:
     """Add the Inductor columns to every row, after all torch.matmul / tritonmm timings are done.
 
-    A separate pass: Inductor's autotuning leaves compile workers behind, whose CPU use disturbed
-    the next row's timing of calls with Python work per call (measured on the H200: 18.2 against
-    10.0 µs for the same cuBLAS call at 1024³ when interleaved). Operands are drawn anew (same shapes).
+    A separate pass: Inductor's autotuning leaves compile workers behind, whose CPU use disturbs the
+    timing of calls with Python work per call. Operands are drawn anew (same shapes).
     """
     import torch.nn.functional as F
 

@@ -41,10 +41,9 @@ about 100 µs on an H200, so the host has enqueued the call before the GPU reach
 def _event_times_ms(fn, rep: float, warmup: int = 3) -> list[float]:
     """Per-call GPU times (ms) of ``fn``: CUDA events around each call, L2 flushed before each, as
     ``triton.testing.do_bench`` does, plus a GPU spin after each flush. Without the spin, a call whose
-    host path outlasts the flush (61 µs on the H200) is timed with the GPU idle, waiting for the host:
-    measured on the H200, 40 µs of host time added to torch.matmul on a 10 µs 1000³ GEMM read as a 0.3x
-    ratio under do_bench. With the spin both contenders' host paths are hidden; per-call host cost
-    is measured separately (``python -m tritonmm.bench --model``, per-call rows)."""
+    host path outlasts the flush is timed with the GPU idle, waiting for the host, and a short GEMM
+    reads as slow as its host path. With the spin both contenders' host paths are hidden; per-call
+    host cost is measured separately (``python -m tritonmm.bench --model``, per-call rows)."""
     return _pair_times_ms((fn,), rep, warmup)[0]
 
 
