@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Steps run on the lent H200 (device tool): bash benchmarks/h200_run.sh STEP... ; results under $OUT.
+# Steps run on an H200 from the repository root: bash benchmarks/h200_run.sh STEP... ; results under $OUT
+# (default /tmp/out).
 #   info    GPU, clocks, torch/triton versions
 #   host    per-call cost of the entry points and of the Triton route's layers on this host, and a profile (printed)
 #   tests   pytest -m gpu on the GPU test modules -> $OUT/gpu_tests.log
 #   gpu_all every gpu-marked test -> $OUT/gpu_all.log
 #   model   python -m tritonmm.bench --model -> $OUT/h200_model.json (MODEL_ARGS adds flags)
-#   suite   python -m tritonmm.bench on SUITE_TAGS (default: every shape) -> $OUT/h200_suite.json
+#   suite   python -m tritonmm.bench on SUITE_TAGS (default: every shape) -> $OUT/h200.json, $OUT/h200.png
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -51,7 +52,7 @@ PY
     model) T "${MODEL_TIMEOUT:-420}" python3 -m tritonmm.bench --model ${MODEL_ARGS:-} --json "$OUT/h200_model.json" \
              2>&1 | grep -v "Warning\|warn(" | tee "$OUT/model.log" | tail -60 ;;
     suite) T "${BENCH_TIMEOUT:-300}" python3 -m tritonmm.bench --rep 60 ${SUITE_TAGS:+--tags $SUITE_TAGS} \
-             --json "$OUT/h200_suite.json" ;;
+             --json "$OUT/h200.json" --plot "$OUT/h200.png" ;;
     *) echo "unknown step $step" ;;
   esac
 done
