@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritonmm
-from tritonmm import api, dispatch, routes
+from tritonmm import dispatch, routes
 from tritonmm.testing import randn
 
 pytestmark = pytest.mark.interpreter

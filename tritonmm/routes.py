@@ -30,7 +30,6 @@ _forced = dispatch._forced.get
 _any_autocast = torch._C._is_any_autocast_enabled
 _grad_enabled = torch.is_grad_enabled
 _fp32_precision = getattr(torch._C, "_get_float32_matmul_precision", torch.get_float32_matmul_precision)
-_is_compiling = torch.compiler.is_compiling
 _F32 = torch.float32
 _BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")  # decide routes; the rest: per runner
 _AUTOTUNE = raw_name("TRITONMM_AUTOTUNE")
