@@ -6,6 +6,7 @@
 #   tests   pytest -m gpu on the GPU test modules -> $OUT/gpu_tests.log
 #   gpu_all every gpu-marked test -> $OUT/gpu_all.log
 #   model   python -m tritonmm.bench --model -> $OUT/h200_model.json (MODEL_ARGS adds flags)
+#   mlp     python -m tritonmm.bench --mlp -> $OUT/h200_mlp.json (MLP_ARGS adds flags)
 #   suite   python -m tritonmm.bench on SUITE_TAGS (default: every shape) -> $OUT/h200.json, $OUT/h200.png
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
@@ -51,6 +52,8 @@ PY
                tests/ 2>&1 | tee "$OUT/gpu_all.log" | tail -60 ;;
     model) T "${MODEL_TIMEOUT:-420}" python3 -m tritonmm.bench --model ${MODEL_ARGS:-} --json "$OUT/h200_model.json" \
              2>&1 | grep -v "Warning\|warn(" | tee "$OUT/model.log" | tail -60 ;;
+    mlp) T "${MLP_TIMEOUT:-420}" python3 -m tritonmm.bench --mlp ${MLP_ARGS:-} --json "$OUT/h200_mlp.json" \
+             2>&1 | grep -v "Warning\|warn(" | tee "$OUT/mlp.log" | tail -40 ;;
     suite) T "${BENCH_TIMEOUT:-300}" python3 -m tritonmm.bench --rep 60 ${SUITE_TAGS:+--tags $SUITE_TAGS} \
              --json "$OUT/h200.json" --plot "$OUT/h200.png" ;;
     *) echo "unknown step $step" ;;

@@ -201,3 +201,34 @@ def test_choose_breaks_ties_by_measurement_order():
     measure_shape pairs against torch.matmul), whatever the hash seed."""
     assert choose([shape(1, 10.0, [(A, 5.0), (B, 5.0)])])["config"] == A
     assert choose([shape(1, 10.0, [(B, 5.0), (A, 5.0)])])["config"] == B
+
+
+def test_table_of_another_triton_release_is_a_prior(tmp_path, monkeypatch):
+    """Same GPU kind, other Triton release: cuBLAS and padded entries hold, Triton winners only with
+    PRIOR_MIN_GAIN (else cuBLAS, the config kept as a hint), an exact-release table wins per key, a
+    table of another GPU kind is ignored; explain's reason says the entry is a prior."""
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_stages": 3, "num_warps": 8,
+           "EPILOGUE_SUBTILE": 0}
+    big, small, exact = (tuned.entry_key(torch.bfloat16, 2048, n, 512, "nn") for n in (1024, 2048, 4096))
+    win = lambda gain: {"backend": "triton", "kernel": "tma", "config": cfg, "triton_us": 100.0,  # noqa: E731
+                        "torch_us": 100.0 / (1 - gain)}
+
+    def table(triton, sms, entries):
+        return json.dumps({"format": tuned.FORMAT, "device": "GPU", "capability": [9, 0], "sms": sms,
+                           "triton": triton, "torch": "2.11", "entries": entries})
+
+    (tmp_path / "a.json").write_text(table("3.6.0", 132, {big: win(0.3), small: win(0.05), exact: win(0.3)}))
+    (tmp_path / "b.json").write_text(table("9.9.9", 132, {exact: {"backend": "torch", "kernel": None,
+                                                                  "config": None, "torch_us": 1.0}}))
+    (tmp_path / "c.json").write_text(table("3.6.0", 114, {small: win(0.5)}))  # another GPU kind
+    monkeypatch.setattr(tuned, "tuned_dir", lambda: tmp_path)
+    monkeypatch.setattr(tuned, "device_signature", lambda device: {"capability": [9, 0], "sms": 132,
+                                                                   "triton": "9.9.9"})
+    got = tuned._table_for.__wrapped__(0)
+    assert got[big]["backend"] == "triton" and got[big]["prior"] == "3.6.0"
+    assert got[small]["backend"] == "torch" and got[small]["config"] == cfg and got[small]["prior"] == "3.6.0"
+    assert got[exact]["backend"] == "torch" and "prior" not in got[exact]
+    monkeypatch.setattr(tuned, "_table_for", lambda index: got)
+    d = dispatch._from_table(torch.device("cuda", 0), torch.bfloat16,
+                             plan(randn(2048, 512, dtype=torch.bfloat16), randn(512, 1024, dtype=torch.bfloat16)))
+    assert d.backend == "triton" and "measured with triton 3.6.0, used as a prior" in d.reason

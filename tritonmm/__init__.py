@@ -7,6 +7,8 @@ Public API (re-exports only; importing neither initialises CUDA nor reads files)
 * :func:`explain`: which backend a call takes, and why.
 * :func:`clear_cache`: forget cached decisions (after installing a tuned table, say).
 * :func:`force_backend`: force Triton or torch.matmul (cuBLAS) inside a ``with`` block.
+* :func:`gated_linear`: ``act(F.linear(x, w_gate)) * F.linear(x, w_up)`` as one GEMM; :func:`fuse`,
+  :func:`unfuse`: gated MLPs (Llama, Mistral, Qwen2, Gemma) run through it.
 * :func:`patch_linear`, :func:`unpatch_linear`, :func:`swap_linear`, :func:`unswap_linear`: nn.Linear integration.
 """
 
@@ -17,6 +19,8 @@ from . import ops as _ops  # noqa: F401  (registers the torch.library ops)
 from .activations import ACTIVATIONS
 from .api import clear_cache, explain, linear, matmul
 from .dispatch import Decision, force_backend
+from .fusion import fuse, unfuse
+from .gated import gated_linear
 from .nn import TritonLinear, patch_linear, swap_linear, unpatch_linear, unswap_linear
 
 __version__ = "0.1.0"
@@ -30,10 +34,13 @@ __all__ = [
     "clear_cache",
     "explain",
     "force_backend",
+    "fuse",
+    "gated_linear",
     "linear",
     "matmul",
     "patch_linear",
     "swap_linear",
     "unpatch_linear",
+    "unfuse",
     "unswap_linear",
 ]

@@ -4,8 +4,9 @@ The fastest path is a weight plan: for an (N, K) weight that automatic dispatch 
 GEMM it can take part in (:func:`dispatch.weight_free`: the forward for any number of rows, in its
 dtype or an autocast dtype, and both gradients), a call in the default state (nothing forced, not
 compiling) is ``F.linear`` / ``torch.matmul`` itself after one dictionary lookup, validated by the
-weight's data pointer and shape. Torch's own autograd, autocast (with its weight-cast cache),
-functorch and mode handling then apply. Everything else goes through the keyed routes
+weight's data pointer (a new dtype, device or storage moves it; a plan only ever chooses torch's
+own call, so a stale one costs a missed Triton route, never a wrong result). Torch's own autograd,
+autocast (with its weight-cast cache), functorch and mode handling then apply. Everything else goes through the keyed routes
 (:mod:`tritonmm.routes`). Under ``torch.compile`` and ``torch.export`` the call is the op itself,
 which decides at trace time (:mod:`tritonmm.traced`).
 """
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import dispatch, modes, routes, runners
+from . import dispatch, gated, modes, routes, runners
 from ._env import raw_get, raw_name
 
 _plans_get = routes.plans.get
@@ -38,7 +39,7 @@ def _planned(weight, x, bias) -> bool:
             or raw_get(_KERNEL) is not None:
         return False
     try:
-        if plan[1] != weight.data_ptr() or plan[2] != weight.shape:
+        if plan[1] != weight.data_ptr():
             return False
         return plan[0] == 2 or not (_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                          or bias is not None and bias.requires_grad))
@@ -103,10 +104,21 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
 
 
 def linear_forward(self, input: Tensor) -> Tensor:
-    """``nn.Linear.forward`` through tritonmm (the forward of swapped and patched modules)."""
+    """``nn.Linear.forward`` through tritonmm (the forward of swapped and patched modules).
+
+    :func:`_planned` written out: this is the per-call path of every swapped layer."""
     weight, bias = self.weight, self.bias
-    if not _is_compiling() and _planned(weight, input, bias):
-        return _F_linear(input, weight, bias)
+    if not _is_compiling():
+        plan = _plans_get(id(weight))
+        if plan is not None and plan[0] and _forced() is None and raw_get(_BACKEND) is None \
+                and raw_get(_KERNEL) is None:
+            try:
+                if plan[1] == weight.data_ptr() and (
+                        plan[0] == 2 or not (_grad_enabled() and (input.requires_grad or weight.requires_grad
+                                                                  or bias is not None and bias.requires_grad))):
+                    return _F_linear(input, weight, bias)
+            except (AttributeError, RuntimeError):  # not a tensor, no storage
+                pass
     return linear(input, weight, bias)
 
 
@@ -144,6 +156,7 @@ def clear_cache() -> None:
     and free this thread's workspace buffers."""
     routes.clear()
     runners.clear_cache()
+    gated.clear_cache()
     dispatch._tuned.weight_used.cache_clear()
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -283,6 +284,14 @@ def _from_table(device: torch.device, dtype: torch.dtype, plan: Plan) -> Decisio
     e = _tuned.entry(device, dtype, plan)
     if e is None:
         return None
+    decision = _table_decision(e, plan, dtype)
+    if e.get("prior"):
+        return dataclasses.replace(decision, reason=decision.reason.replace(
+            "tuned table:", f"tuned table (measured with triton {e['prior']}, used as a prior):", 1))
+    return decision
+
+
+def _table_decision(e: dict, plan: Plan, dtype: torch.dtype) -> Decision:
     ratio = e["torch_us"] / e["triton_us"] if e.get("triton_us") else 0.0
     if e["backend"] == "torch":
         if e.get("kernel") == "padded":

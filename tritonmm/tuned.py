@@ -1,8 +1,9 @@
 """Per-GPU tables of measured winners (``configs/tuned/*.json``), written by ``python -m tritonmm.tune``.
 
 A table belongs to one GPU kind and one Triton release: it records the compute
-capability, the SM count and the Triton version it was measured with, and is used
-only where all three match. Each entry names, for a dtype, a bucketed M (M = 1 has its own
+capability, the SM count and the Triton version it was measured with. It is used where all three
+match; a table of the same GPU kind measured with another Triton release is a prior
+(:func:`prior_entry`): its cuBLAS and padded entries hold, its Triton winners only with a margin. Each entry names, for a dtype, a bucketed M (M = 1 has its own
 key, :func:`m_key`), an exact N and K and the operand layouts: the backend chosen (a Triton kernel
 and its config, cuBLAS on zero-padded aligned copies (backend "torch", kernel "padded"), or
 torch.matmul/cuBLAS), which is the fastest measured except that a Triton kernel or the padded path
@@ -126,11 +127,33 @@ def _table_for(index: int) -> dict:
     if not directory.is_dir():
         return {}
     entries: dict = {}
+    priors: dict = {}
     for path in sorted(directory.glob("*.json")):
         data = read_table(path)
-        if data and all(data.get(k) == v for k, v in sig.items()):
+        if not data or any(data.get(k) != sig[k] for k in ("capability", "sms")):
+            continue
+        if data.get("triton") == sig["triton"]:
             entries.update(data["entries"])
-    return entries
+        else:
+            priors.update({k: prior_entry(e, str(data.get("triton"))) for k, e in data["entries"].items()})
+    return {**priors, **entries}
+
+
+PRIOR_MIN_GAIN = 0.15
+"""A Triton winner of a table measured with another Triton release is kept only where it beat cuBLAS
+by at least this fraction of cuBLAS's time: a margin for code generation that changed between
+releases. cuBLAS and padded-cuBLAS entries do not depend on Triton and are kept as they are."""
+
+
+def prior_entry(e: dict, triton_version: str) -> dict:
+    """An entry of a table measured on this GPU with Triton ``triton_version`` (not the running one),
+    marked ``prior``: Triton winners saving less than :data:`PRIOR_MIN_GAIN` become cuBLAS entries
+    (their kernel and config stay as the hint forced runs use)."""
+    out = {**e, "prior": triton_version}
+    if e.get("backend") == "triton" and not (e.get("triton_us") and e["torch_us"] - e["triton_us"]
+                                             >= PRIOR_MIN_GAIN * e["torch_us"]):
+        out["backend"] = "torch"
+    return out
 
 
 def _entries(device: torch.device) -> dict:

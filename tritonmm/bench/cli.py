@@ -40,7 +40,7 @@ import torch
 
 import tritonmm
 
-from . import model
+from . import mlp, model
 from .cpu import cpu_check
 from .gemm import bench_linear_row, bench_matmul_row, inductor_pass
 from .model import CONFIGS
@@ -82,7 +82,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --model: which configs (default: small and llama3-8b-2l on a GPU, tiny without)")
     p.add_argument("--model-phases", nargs="+", choices=["eager", "train", "compile"], default=None,
                    help="with --model: which phases (default: all; compile needs a GPU)")
-    p.add_argument("--rounds", type=int, default=15, help="with --model: rounds of alternation (default 15)")
+    p.add_argument("--rounds", type=int, default=15, help="with --model / --mlp: rounds of alternation (default 15)")
+    p.add_argument("--mlp", action="store_true",
+                   help="the MLP-block benchmark: transformers' LlamaMLP eager vs tritonmm.fuse, the cuBLAS bound and "
+                        "torch.compile (needs a GPU)")
+    p.add_argument("--mlp-configs", nargs="+", choices=list(mlp.CONFIGS), default=None,
+                   help="with --mlp: which MLPs (default: all)")
+    p.add_argument("--tokens", nargs="+", type=int, default=None,
+                   help=f"with --mlp: token counts M (default: {' '.join(map(str, mlp.TOKENS))})")
     args = p.parse_args(argv)
     if args.markdown and not args.from_json:
         p.error("--markdown prints an earlier run: give it --from-json RUN.json")
@@ -125,12 +132,30 @@ def model_main(args) -> int:
     return 0
 
 
+def mlp_main(args) -> int:
+    """``--mlp``: the MLP-block benchmark (GPU only: without one it says so)."""
+    if not torch.cuda.is_available():
+        print("No CUDA GPU: the MLP benchmark times GPU kernels; run it on a GPU. CPU tests cover the fused "
+              "kernels' values (pytest tests/test_gated.py).", file=sys.stderr)
+        return 0
+    warm_up_gpu()
+    rows = mlp.run(torch.device("cuda"), args.rounds, args.mlp_configs, args.tokens,
+                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+    mlp.print_report(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
+                                         "rows": rows}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
         return from_json(args)
     if args.model:
         return model_main(args)
+    if args.mlp:
+        return mlp_main(args)
     if not torch.cuda.is_available():
         defaults = vars(parse_args([]))
         ignored = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v != defaults[k]]

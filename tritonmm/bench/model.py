@@ -1,5 +1,6 @@
-"""The model benchmark: a transformers Llama-architecture model with tritonmm off, swapped in and
-patched in, alternated in one process; and the per-call host cost of each entry point.
+"""The model benchmark: a transformers Llama-architecture model with tritonmm off, swapped in,
+patched in and with its MLPs fused, alternated in one process; and the per-call host cost of each
+entry point.
 
 Phases (each timed per mode, modes alternated round by round, medians of wall time between
 ``torch.cuda.synchronize()`` calls): eager prefill, eager decode with a KV cache, a training step
@@ -31,7 +32,7 @@ CONFIGS = {
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
 }
-MODES = ("off", "swap", "patch")
+MODES = ("off", "swap", "patch", "fuse")
 
 
 def _sync(device) -> None:
@@ -52,13 +53,16 @@ def build_model(name: str, device, dtype):
 
 @contextlib.contextmanager
 def mode(name: str, model):
-    """tritonmm off, swapped into ``model`` (``swap_linear``) or patched into nn.Linear (``patch_linear``)."""
+    """tritonmm off, swapped into ``model`` (``swap_linear``), patched into nn.Linear (``patch_linear``), or
+    its MLPs fused (``fuse``: gate and up as one gated GEMM; the other linears stay nn.Linear)."""
     import tritonmm
 
     if name == "swap":
         tritonmm.swap_linear(model)
     if name == "patch":
         tritonmm.patch_linear()
+    if name == "fuse":
+        tritonmm.fuse(model)
     try:
         yield
     finally:
@@ -66,6 +70,8 @@ def mode(name: str, model):
             tritonmm.unswap_linear(model)
         if name == "patch":
             tritonmm.unpatch_linear()
+        if name == "fuse":
+            tritonmm.unfuse(model)
 
 
 def _wall_ms(fn, device, iters: int) -> float:
@@ -207,11 +213,13 @@ def compile_phase(name: str, device, rounds: int) -> list[dict]:
     ids = _tokens(model.config.vocab_size, 4, 1024, device)
     copies = {m: copy.deepcopy(model) for m in MODES}
     tritonmm.swap_linear(copies["swap"])
+    tritonmm.fuse(copies["fuse"])
     compiled = {m: torch.compile(copies[m]) for m in MODES}
     patched = lambda: tritonmm.patch_linear()  # noqa: E731  (nn.Linear patched only around its copy's calls)
     runs = {"off": (contextlib.nullcontext, lambda: compiled["off"](ids, use_cache=False)),
             "swap": (contextlib.nullcontext, lambda: compiled["swap"](ids, use_cache=False)),
-            "patch": (patched, lambda: compiled["patch"](ids, use_cache=False))}
+            "patch": (patched, lambda: compiled["patch"](ids, use_cache=False)),
+            "fuse": (contextlib.nullcontext, lambda: compiled["fuse"](ids, use_cache=False))}
     with torch.no_grad():
         ms = alternate(runs, device, rounds, iters=5, warmup=3)
     del copies, compiled, model
@@ -330,10 +338,10 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print) -> 
 
 
 def print_report(result: dict) -> None:
-    print(f"{'config':14} {'phase':36} {'off ms':>9} {'swap ms':>9} {'patch ms':>9} {'swap':>6} {'patch':>6}")
+    print(f"{'config':14} {'phase':36} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6}  (off time / on time)")
     for r in result["phases"]:
-        print(f"{r['config']:14} {r['phase']:36} {r['off_ms']:>9.3f} {r['swap_ms']:>9.3f} {r['patch_ms']:>9.3f} "
-              f"{r['swap_ratio']:>6.3f} {r['patch_ratio']:>6.3f}")
+        print(f"{r['config']:14} {r['phase']:36} {r['off_ms']:>9.3f} {r['swap_ratio']:>6.3f} {r['patch_ratio']:>6.3f} "
+              f"{r.get('fuse_ratio', float('nan')):>6.3f}")
     print("\nper call (µs): torch call, tritonmm call, cost over torch, ratio torch / tritonmm")
     for r in result["per_call"]:
         print(f"{r['row']:52} {r['torch']:>14} {r['torch_us']:>8.2f}  {r['tritonmm']:>16} {r['tritonmm_us']:>8.2f}  "
@@ -342,10 +350,11 @@ def print_report(result: dict) -> None:
 
 def markdown(result: dict) -> str:
     """The README's model table."""
-    lines = ["| model | phase | off ms | swap_linear | patch_linear |", "|---|---|---|---|---|"]
+    lines = ["| model | phase | off ms | swap_linear | patch_linear | fuse |", "|---|---|---|---|---|---|"]
     for r in result["phases"]:
+        fuse = f"{r['fuse_ratio']:.3f}x" if "fuse_ratio" in r else "-"
         lines.append(f"| {r['config']} | {r['phase']} | {r['off_ms']:.2f} | {r['swap_ratio']:.3f}x | "
-                     f"{r['patch_ratio']:.3f}x |")
+                     f"{r['patch_ratio']:.3f}x | {fuse} |")
     lines += ["", "| per call | torch µs | tritonmm µs | over |", "|---|---|---|---|"]
     for r in result["per_call"]:
         lines.append(f"| {r['row']} ({r['torch']} vs {r['tritonmm']}) | {r['torch_us']:.1f} | {r['tritonmm_us']:.1f} | "

@@ -177,6 +177,14 @@ def from_json(args) -> int:
         if not args.markdown:
             print_report(data)
         return 0
+    if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and "tokens" in data["rows"][0]:
+        from . import mlp  # a --mlp run
+
+        if args.markdown:
+            print(mlp.markdown(data["rows"]))
+        else:
+            mlp.print_report(data["rows"])
+        return 0
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         print(f"python -m tritonmm.bench: error: {args.from_json} is not a --json run of python -m tritonmm.bench "
               "(no 'rows' list)", file=sys.stderr)

@@ -1,0 +1,102 @@
+"""The gated GEMM kernels on a GPU: M from 1 to 16384, every candidate config, gradients, compile."""
+
+import copy
+
+import pytest
+import torch
+
+import tritonmm
+from tritonmm import gated
+from tritonmm.kernels import gated_launchers
+from tritonmm.testing import EPS, randn
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+def _operands(M, N, K, dtype=BF16, bias=False):
+    x = randn(M, K, dtype=dtype, device="cuda")
+    wg = (randn(N, K, device="cuda") / K**0.5).to(dtype)
+    wu = (randn(N, K, device="cuda") / K**0.5).to(dtype)
+    bg, bu = (randn(N, dtype=dtype, device="cuda"), randn(N, dtype=dtype, device="cuda")) if bias else (None, None)
+    return x, wg, wu, bg, bu
+
+
+def _check(h, x, wg, wu, bg=None, bu=None, act="silu"):
+    """Within twice the torch expression's own error against float64, plus one output rounding."""
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    ref = gated.reference(d(x), d(wg), d(wu), d(bg), d(bu), act)
+    torch_err = (gated.reference(x, wg, wu, bg, bu, act).double() - ref).abs().max().item()
+    err = (h.double() - ref).abs().max().item()
+    assert not h.isnan().any()
+    assert err <= 2 * torch_err + EPS[x.dtype] * ref.abs().max().item(), (err, torch_err)
+
+
+@pytest.mark.parametrize("M", [1, 7, 16, 100, 512, 4096, 16384])
+def test_values_over_m(M, monkeypatch):
+    """The kernels at every M (the public call serves M <= GATED_MAX_M with them, the rest with torch)."""
+    monkeypatch.setenv("TRITONMM_AUTOTUNE", "0")  # the heuristic's config: no autotuning per M here
+    x, wg, wu, _, _ = _operands(M, 5632, 2048)
+    _check(gated.forward(x, wg, wu, None, None, "silu", False)[0], x, wg, wu)
+    _check(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
+
+
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_every_candidate_config(kernel):
+    M, N, K = 300, 700, 1024
+    x, wg, wu, bg, bu = _operands(M, N, K, bias=True)
+    for cfg in gated_launchers._candidates(kernel):
+        h, g, u = (torch.full((M, N), float("nan"), dtype=BF16, device="cuda") for _ in range(3))
+        launch = gated_launchers.gated_launcher(kernel, M, N, K, K, K, K, BF16, x.device, (1, 1), True, "silu",
+                                                config=cfg)
+        try:
+            launch(x, wg, wu, bg, bu, h, g, u)
+        except Exception as e:  # a config pruning keeps must run; others may exceed shared memory
+            pool = gated_launchers.prune(kernel, [cfg], M, N, K, 2, tritonmm.device.smem_limit(x.device),
+                                         tritonmm.device.num_sms(x.device), keep=1)
+            assert pool != [cfg], f"{cfg} kept by pruning but failed: {e}"
+            continue
+        _check(h, x, wg, wu, bg, bu)
+        torch.testing.assert_close(g, torch.nn.functional.linear(x, wg, bg), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_autotuned_launch(kernel):
+    M = 16 if kernel == "pointer" else 1000
+    x, wg, wu, _, _ = _operands(M, 1536, 1024)
+    h, _, _ = gated.forward(x, wg, wu, None, None, "gelu_tanh", False, kernel=kernel)
+    _check(h, x, wg, wu, act="gelu_tanh")
+
+
+def test_gradients_on_gpu():
+    x, wg, wu, _, _ = _operands(600, 640, 512)
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu)]
+    out = gated._GatedFunction.apply(*leaves, None, None, "silu")  # the kernel's autograd at 600 rows
+    grad = randn(*out.shape, dtype=BF16, device="cuda")
+    out.backward(grad)
+    refs = [t.detach().double().requires_grad_() for t in leaves]
+    gated.reference(*refs).backward(grad.double())
+    for t, r in zip(leaves, refs):
+        rel = (t.grad.double() - r.grad).norm() / r.grad.norm()
+        assert rel < 2e-2, rel
+
+
+def test_fused_llama_mlp_eager_compiled_and_graphed():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816)).cuda().to(BF16)
+    fused = tritonmm.fuse(copy.deepcopy(mlp))
+    x = randn(2, 8, 1024, dtype=BF16, device="cuda")  # 16 rows: the gated kernel serves
+    with torch.no_grad():
+        want = mlp.double()(x.double()).to(BF16)
+        for got in (fused(x), torch.compile(fused, fullgraph=True)(x)):
+            torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+        static = x.clone()
+        fused(static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused(static)
+        graph.replay()
+        torch.testing.assert_close(out, want, rtol=3e-2, atol=3e-2)

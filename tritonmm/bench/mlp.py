@@ -1,0 +1,122 @@
+"""The MLP-block benchmark: transformers' ``LlamaMLP`` in bf16, eager against ``tritonmm.fuse``.
+
+For each config and token count M, alternated round by round in one process (medians of wall time
+between ``torch.cuda.synchronize()`` calls, as in :mod:`tritonmm.bench.model`):
+
+* ``eager``: the module as transformers runs it (gate, up, SiLU, product, down: five kernels);
+* ``fused``: the same module after :func:`tritonmm.fuse` (the gated GEMM, then down, up to
+  ``gated.GATED_MAX_M`` rows; the module's own forward above);
+* ``kernel``: the gated kernel at any M, then the down GEMM (what ``fused`` would be without that limit);
+* ``bound``: cuBLAS on x @ [Wg; Wu]^T and the down GEMM, no elementwise pass: what a perfect fused
+  kernel at cuBLAS speed would take;
+* ``compile``: ``torch.compile`` of the module (SiLU and the product fused by Inductor, GEMMs on cuBLAS).
+
+Forward under ``no_grad``; forward + backward (eager and fused, a fixed upstream gradient) for M >= 512.
+Ratios are eager time / contender time (> 1: faster than eager); ``fused_vs_compile`` is compile / fused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+
+import torch
+
+from .model import alternate
+
+CONFIGS = {"llama3-8b": (4096, 14336), "tinyllama": (2048, 5632)}
+TOKENS = (1, 16, 512, 4096, 16384)
+TRAIN_MIN_M = 512
+
+
+def _mlp(hidden: int, inter: int, device, dtype):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")).to(dtype)
+
+
+def _ratios(times: dict, base: str) -> dict:
+    out = {f"{k}_ms": statistics.median(v) for k, v in times.items()}
+    for k, v in times.items():
+        if k != base:
+            out[f"{k}_ratio"] = statistics.median(b / x for b, x in zip(times[base], v))
+    return out
+
+
+def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> list[dict]:
+    """One row per (config, M): forward times and ratios, and forward + backward for M >= 512."""
+    import tritonmm
+    from tritonmm import gated
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    none = contextlib.nullcontext
+    for name in configs or list(CONFIGS):
+        hidden, inter = CONFIGS[name]
+        mlp = _mlp(hidden, inter, device, dtype)
+        fused = tritonmm.fuse(copy.deepcopy(mlp))
+        compiled = torch.compile(copy.deepcopy(mlp), dynamic=True) if device.type == "cuda" else None
+        w_cat = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        w_down = mlp.down_proj.weight.detach()
+
+        def kernel(x):  # the gated kernel at any M (fuse uses it up to GATED_MAX_M rows), then down
+            h = gated.forward(x, mlp.gate_proj.weight, mlp.up_proj.weight, None, None, "silu", False)[0]
+            return torch.nn.functional.linear(h, w_down)
+
+        def bound(x):
+            return torch.nn.functional.linear(torch.nn.functional.linear(x, w_cat)[:, :inter], w_down)
+
+        for M in tokens or TOKENS:
+            progress(f"mlp {name}: M = {M}")
+            x = torch.randn(M, hidden, device=device, dtype=dtype)
+            runs = {"eager": (none, lambda: mlp(x)), "fused": (none, lambda: fused(x)), "bound": (none, lambda: bound(x)),
+                    "kernel": (none, lambda: kernel(x))}
+            if compiled is not None:
+                runs["compile"] = (none, lambda: compiled(x))
+            with torch.no_grad():
+                times = alternate(runs, device, rounds, iters=1, warmup=3)
+            row = {"config": name, "hidden": hidden, "intermediate": inter, "tokens": M, **_ratios(times, "eager")}
+            if "compile_ms" in row:
+                row["fused_vs_compile_ratio"] = statistics.median(c / f for c, f in zip(times["compile"], times["fused"]))
+            if M >= TRAIN_MIN_M:
+                xg = x.clone().requires_grad_()
+                grad = torch.randn(M, hidden, device=device, dtype=dtype)
+                train = {"train_eager": (none, lambda: mlp(xg).backward(grad)),
+                         "train_fused": (none, lambda: fused(xg).backward(grad))}
+                row.update(_ratios(alternate(train, device, rounds, iters=1, warmup=2), "train_eager"))
+                del xg, grad
+                for m in (mlp, fused):
+                    m.zero_grad(set_to_none=True)
+            rows.append(row)
+            del x
+        del mlp, fused, compiled, w_cat
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_report(rows: list[dict]) -> None:
+    print(f"{'config':10} {'M':>6} {'eager ms':>9} {'fused':>7} {'kernel':>7} {'bound':>7} {'compile':>8} {'f/comp':>7} "
+          f"{'train':>7}   (eager time / contender time)")
+    for r in rows:
+        get = lambda k: f"{r[k]:.3f}" if k in r else "-"  # noqa: E731
+        print(f"{r['config']:10} {r['tokens']:>6} {r['eager_ms']:>9.3f} {get('fused_ratio'):>7} {get('kernel_ratio'):>7} "
+              f"{get('bound_ratio'):>7} "
+              f"{get('compile_ratio'):>8} {get('fused_vs_compile_ratio'):>7} {get('train_fused_ratio'):>7}")
+
+
+def markdown(rows: list[dict]) -> str:
+    """The README's MLP table."""
+    lines = ["| MLP (hidden / intermediate) | tokens | eager ms | fused | gated kernel, any M | cuBLAS bound | "
+             "torch.compile | fused fwd+bwd |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        get = lambda k: f"{r[k]:.2f}x" if k in r else "-"  # noqa: E731
+        lines.append(f"| {r['config']} ({r['hidden']} / {r['intermediate']}) | {r['tokens']} | {r['eager_ms']:.3f} | "
+                     f"{get('fused_ratio')} | {get('kernel_ratio')} | {get('bound_ratio')} | {get('compile_ratio')} | "
+                     f"{get('train_fused_ratio')} |")
+    return "\n".join(lines)

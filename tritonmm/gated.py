@@ -1,0 +1,355 @@
+"""The gated linear: ``act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)`` as one GEMM.
+
+This is the first half of a Llama-family MLP (gate and up projections, SiLU, product). The Triton
+kernels (:mod:`tritonmm.kernels.gated`) read x once for both projections and write only the
+product, instead of two projections, the activation and the product as four tensors.
+
+Autograd: where a gradient is needed the forward also stores the two projections (rounded to the
+output dtype, as F.linear's outputs are); the backward uses them (no recomputation) and runs its
+four GEMMs on cuBLAS. Under ``torch.autocast`` the inputs are cast as F.linear casts them (weight
+casts reused within the region). Plain eager calls launch the kernel directly; other modes
+(``torch.compile``, ``torch.export``, tensor subclasses) go through the ``tritonmm::gated_linear``
+op; functorch transforms, float64, devices other than CUDA (or the interpreter's CPU) and empty
+problems are served by the torch expression itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import activations, device as _device, modes, routes, runners
+from ._env import interpreting
+
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GATED_MAX_M = 16
+"""Rows (M) up to which the gated kernel serves a call: decode-sized GEMMs, memory- and launch-bound,
+where one kernel instead of four saves launches and a pass over the projections. Above it the torch
+expression serves (cuBLAS GEMMs): on the H200 the gated kernels ran at 0.82-0.91x of eager from
+M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``, ``kernel_ratio``)."""
+TMA_MIN_M = 64
+"""Rows above which the persistent TMA kernel serves (on sm_90+, aligned operands; reached by
+:func:`forward` callers that pass larger M); the pointer kernel's small-M tiles serve the rest."""
+_LAUNCHERS_MAX = 1024
+_launchers: dict = {}
+
+
+def reference(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
+              b_up: Optional[Tensor] = None, activation: str = "silu") -> Tensor:
+    """The torch expression the gated linear computes (also its fallback)."""
+    return activations.apply(F.linear(x, w_gate, b_gate), activation) * F.linear(x, w_up, b_up)
+
+
+def check(x, w_gate, w_up, b_gate, b_up, activation) -> None:
+    """Validate the arguments as F.linear would (TypeError / ValueError / RuntimeError)."""
+    for name, t in (("input", x), ("w_gate", w_gate), ("w_up", w_up)):
+        routes._require_tensor(name, t, "gated_linear")
+    for name, t in (("b_gate", b_gate), ("b_up", b_up)):
+        if t is not None:
+            routes._require_tensor(name, t, "gated_linear")
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"tritonmm.gated_linear: unknown activation {activation!r}; expected one of {GATED_ACTIVATIONS}")
+    if w_gate.dim() != 2 or w_gate.shape != w_up.shape:
+        raise RuntimeError(f"tritonmm.gated_linear: w_gate and w_up must be 2-D of one shape, got "
+                           f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    if x.dim() == 0 or x.shape[-1] != w_gate.shape[1]:
+        raise RuntimeError(f"tritonmm.gated_linear: input of shape {tuple(x.shape)} cannot be multiplied by "
+                           f"weights of shape {tuple(w_gate.shape)} (K must match)")
+    if (b_gate is None) != (b_up is None):
+        raise RuntimeError("tritonmm.gated_linear: give both biases or neither")
+    for t in (w_gate, w_up, b_gate, b_up):
+        if t is not None and t.dtype != x.dtype:
+            raise RuntimeError(f"tritonmm.gated_linear: expected all arguments in {x.dtype}, got {t.dtype}")
+        if t is not None and t.device != x.device:
+            raise RuntimeError(f"tritonmm.gated_linear: expected all arguments on {x.device}, got {t.device}")
+    for t in (b_gate, b_up):
+        if t is not None and tuple(t.shape) != (w_gate.shape[0],):
+            raise RuntimeError(f"tritonmm.gated_linear: a bias must be ({w_gate.shape[0]},), got {tuple(t.shape)}")
+
+
+def kernel_serves(x: Tensor) -> bool:
+    """Whether the gated kernel serves this problem: dtype, device, 1 to :data:`GATED_MAX_M` rows."""
+    if x.dtype not in _KERNEL_DTYPES or x.numel() == 0 or x.numel() > GATED_MAX_M * x.shape[-1]:
+        return False
+    return x.device.type == "cuda" or x.device.type == "cpu" and interpreting()
+
+
+def _tma_ok(*tensors) -> bool:
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def choose_kernel(x2: Tensor, w_gate: Tensor, w_up: Tensor) -> str:
+    """"tma" for more than :data:`TMA_MIN_M` rows on sm_90+ with aligned operands, else "pointer"."""
+    if x2.shape[0] > TMA_MIN_M and _device.has_tma(x2.device) and _tma_ok(x2, w_gate, w_up):
+        return "tma"
+    return "pointer"
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: str, save: bool,
+            kernel: Optional[str] = None, config: Optional[dict] = None):
+    """Run the kernel: (h, g, u), h of shape (*x.shape[:-1], N); g and u (M, N) when ``save``, else None."""
+    from .kernels.gated_launchers import gated_launcher
+    from .kernels.launch import LAUNCH_FAILURES
+
+    N, K = w_gate.shape
+    lead = x.shape[:-1]
+    x2 = _unit_last(x.reshape(-1, K))
+    w_gate, w_up = _unit_last(w_gate), _unit_last(w_up)
+    M = x2.shape[0]
+    if kernel is None or kernel == "tma" and not _tma_ok(x2, w_gate, w_up):
+        kernel = choose_kernel(x2, w_gate, w_up)
+    bias_strides = None if b_gate is None else (b_gate.stride(0), b_up.stride(0))
+    key = (kernel, M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0), x.dtype, x.device, bias_strides, save,
+           activation, None if config is None else tuple(sorted(config.items())),
+           x2.data_ptr() % 16 == 0 and w_gate.data_ptr() % 16 == 0 and w_up.data_ptr() % 16 == 0)
+    launch = _launchers.get(key)
+    if launch is None:
+        if len(_launchers) >= _LAUNCHERS_MAX:
+            _launchers.clear()
+        launch = _launchers[key] = gated_launcher(kernel, M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0),
+                                                  x.dtype, x.device, bias_strides, save, activation, config)
+    h = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    g = u = None
+    if save:
+        g = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        u = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    try:
+        launch(x2, w_gate, w_up, b_gate, b_up, h, g, u)
+    except LAUNCH_FAILURES as e:  # a config that does not compile or fit here: torch serves, once warned
+        _launchers[key] = functools.partial(_failed, activation=activation)
+        warnings.warn(f"tritonmm.gated_linear: the {kernel} kernel failed ({type(e).__name__}: {e}); "
+                      "torch serves this geometry", runners.KernelFailedWarning, stacklevel=3)
+        _launchers[key](x2, w_gate, w_up, b_gate, b_up, h, g, u)
+    return h.view(*lead, N), g, u
+
+
+def _failed(x2, w_gate, w_up, b_gate, b_up, h, g, u, activation):
+    """The torch expression written into the kernel's outputs (a geometry whose kernel failed)."""
+    gate, up = F.linear(x2, w_gate, b_gate), F.linear(x2, w_up, b_up)
+    h.copy_(activations.apply(gate.float(), activation) * up.float())
+    if g is not None:
+        g.copy_(gate)
+        u.copy_(up)
+
+
+def backward(grad_h: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, g: Tensor, u: Tensor, activation: str,
+             needs: tuple):
+    """Gradients for (x, w_gate, w_up, b_gate, b_up) from the saved projections ``g``, ``u`` (M, N);
+    None where ``needs`` (five bools) says none is wanted."""
+    N, K = w_gate.shape
+    dh = grad_h.reshape(-1, N)
+    with torch.enable_grad():
+        g_ = g.detach().requires_grad_()
+        act = activations.apply(g_, activation)
+    d_gate = torch.autograd.grad(act, g_, dh * u)[0] if any(needs[i] for i in (0, 1, 3)) else None
+    d_up = dh * act.detach() if any(needs[i] for i in (0, 2, 4)) else None
+    x2 = x.reshape(-1, K)
+    dx = dwg = dwu = dbg = dbu = None
+    if needs[0]:
+        dx = torch.addmm(d_gate @ w_gate, d_up, w_up).view(x.shape)
+    if needs[1]:
+        dwg = d_gate.t() @ x2
+    if needs[2]:
+        dwu = d_up.t() @ x2
+    if needs[3]:
+        dbg = d_gate.sum(0)
+    if needs[4]:
+        dbu = d_up.sum(0)
+    return dx, dwg, dwu, dbg, dbu
+
+
+class _GatedFunction(torch.autograd.Function):
+    """The gated linear in eager mode with autograd: kernel forward, saved projections, cuBLAS backward."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, b_gate, b_up, activation):
+        h, g, u = forward(x, w_gate, w_up, b_gate, b_up, activation, True)
+        ctx.save_for_backward(x, w_gate, w_up, g, u)
+        ctx.activation = activation
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        x, w_gate, w_up, g, u = ctx.saved_tensors
+        return (*backward(grad_h, x, w_gate, w_up, g, u, ctx.activation, ctx.needs_input_grad[:5]), None)
+
+
+@torch.library.custom_op("tritonmm::gated_linear", mutates_args=())
+def _gated_op(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor], b_up: Optional[Tensor],
+              activation: str, save: bool) -> tuple[Tensor, Tensor, Tensor]:
+    if not kernel_serves(x):
+        gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+        h = activations.apply(gate, activation) * up
+        N = w_gate.shape[0]
+        return (h, gate.reshape(-1, N), up.reshape(-1, N)) if save else (h, x.new_empty(0), x.new_empty(0))
+    h, g, u = forward(x, w_gate, w_up, b_gate, b_up, activation, save)
+    return (h, g, u) if save else (h, x.new_empty(0), x.new_empty(0))
+
+
+@_gated_op.register_fake
+def _gated_fake(x, w_gate, w_up, b_gate, b_up, activation, save):
+    N = w_gate.shape[0]
+    h = x.new_empty((*x.shape[:-1], N))
+    if not save:
+        return h, x.new_empty(0), x.new_empty(0)
+    M = x.numel() // x.shape[-1] if x.shape[-1] else x.shape[:-1].numel()
+    return h, x.new_empty((M, N)), x.new_empty((M, N))
+
+
+def _op_setup_context(ctx, inputs, output):
+    x, w_gate, w_up, b_gate, b_up, activation, save = inputs
+    ctx.save_for_backward(x, w_gate, w_up, output[1], output[2])
+    ctx.activation = activation
+
+
+def _op_backward(ctx, grad_h, _grad_g, _grad_u):
+    x, w_gate, w_up, g, u = ctx.saved_tensors
+    return (*backward(grad_h, x, w_gate, w_up, g, u, ctx.activation, ctx.needs_input_grad[:5]), None, None)
+
+
+_gated_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+def _autocast(x: Tensor, w_gate, w_up, b_gate, b_up):
+    dtype = routes._autocast_dtype(x)
+    if dtype is None:
+        return x, w_gate, w_up, b_gate, b_up
+    cw = routes._cast_weight
+    return routes._cast(x, dtype), cw(w_gate, dtype), cw(w_up, dtype), cw(b_gate, dtype), cw(b_up, dtype)
+
+
+def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
+                 b_up: Optional[Tensor] = None, activation: str = "silu") -> Tensor:
+    """``act(F.linear(input, w_gate, b_gate)) * F.linear(input, w_up, b_up)``, one Triton GEMM for both.
+
+    Args:
+        input (Tensor): x, (*, K); float16, bfloat16 or float32 for the Triton kernels.
+        w_gate, w_up (Tensor): (N, K) each (nn.Linear weights), read in place.
+        b_gate, b_up (Tensor, optional): (N,) each; both or neither.
+        activation (str): "silu" (Llama, Mistral, Qwen2), "gelu", "gelu_tanh" (Gemma) or "relu",
+            applied to the gate in fp32 before the product and the one rounding.
+
+    Returns:
+        Tensor: (*, N) in the input dtype (the autocast dtype under ``torch.autocast``).
+
+    Raises:
+        TypeError: an argument is not a Tensor. ValueError: unknown activation.
+        RuntimeError: shapes, dtypes or devices do not match (as F.linear's errors).
+    """
+    if not _is_compiling():
+        try:
+            key = _fast_key(input, w_gate, w_up, b_gate, b_up, activation)
+        except (AttributeError, RuntimeError, TypeError):  # a non-tensor, nested or storage-less operand
+            key = None
+        run = _fast.get(key) if key is not None else None
+        if run is not None:
+            return run(input, w_gate, w_up, b_gate, b_up)
+        out = _gated_linear(input, w_gate, w_up, b_gate, b_up, activation)
+        if key is not None and _fast_eligible(input, w_gate, w_up, b_gate, b_up):
+            _remember(key, input, w_gate, w_up, b_gate, b_up, activation)
+        return out
+    return _gated_linear(input, w_gate, w_up, b_gate, b_up, activation)
+
+
+_fast: dict = {}
+_FAST_MAX = 1024
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+def _fast_key(x, wg, wu, bg, bu, activation):
+    """The geometry key of a call that may take the fast path (None: it may not): plain eager mode, no
+    gradient, no autocast; types, shapes, strides, dtypes, devices and 16-byte alignments."""
+    if _grad_enabled() and (x.requires_grad or wg.requires_grad or wu.requires_grad
+                            or bg is not None and (bg.requires_grad or bu.requires_grad)):
+        return None
+    if (_any_autocast() or routes._functorch_active() or routes._fw_ad._current_level >= 0
+            or routes._tracing_state() is not None or routes._function_modes() or routes._dispatch_modes()):
+        return None
+    return (type(x), type(wg), type(wu), x.shape, x.stride(), x.dtype, x.device, wg.shape, wg.stride(), wg.dtype,
+            wg.device, wu.shape, wu.stride(), wu.dtype, wu.device, x.data_ptr() & 15, wg.data_ptr() & 15,
+            wu.data_ptr() & 15, activation, None if bg is None else (type(bg), bg.shape, bg.stride(), bg.dtype,
+                                                                     bg.device, type(bu), bu.shape, bu.stride(),
+                                                                     bu.dtype, bu.device),
+            routes.raw_get(routes._AUTOTUNE))
+
+
+def _fast_eligible(x, wg, wu, bg, bu) -> bool:
+    """Whether a call whose key was taken can be replayed by a bound launch: plain tensors the kernel
+    serves, unit column strides, no pending negation or zero tensor."""
+    tensors = (x, wg, wu, bg, bu)
+    return (kernel_serves(x) and modes.plain(*tensors) and not modes.torch_only(*tensors)
+            and wg.stride(-1) == 1 and wu.stride(-1) == 1)
+
+
+def _remember(key, x, wg, wu, bg, bu, activation) -> None:
+    """Bind the geometry's launcher (built by the call just served) into a replay of that call."""
+    N, K = wg.shape
+    lead, M = x.shape[:-1], x.numel() // K if K else 0
+    x2 = x.reshape(-1, K)
+    contiguous = x2.stride(-1) != 1 and x2.shape[-1] != 1
+    if contiguous:
+        x2 = x2.contiguous()
+    kernel = choose_kernel(x2, wg, wu)
+    launch = _launchers.get((kernel, M, N, K, x2.stride(0), wg.stride(0), wu.stride(0), x.dtype, x.device,
+                             None if bg is None else (bg.stride(0), bu.stride(0)), False, activation, None,
+                             x2.data_ptr() % 16 == 0 and wg.data_ptr() % 16 == 0 and wu.data_ptr() % 16 == 0))
+    if launch is None or isinstance(launch, functools.partial) or M == 0:  # not built, failed, or empty
+        return
+    dtype, device, out_shape = x.dtype, x.device, (*lead, N)
+
+    def run(x, wg, wu, bg, bu):
+        x2 = x.reshape(M, K)
+        if contiguous:
+            x2 = x2.contiguous()
+        h = torch.empty((M, N), dtype=dtype, device=device)
+        launch(x2, wg, wu, bg, bu, h, None, None)
+        return h.view(out_shape)
+
+    if len(_fast) >= _FAST_MAX:
+        _fast.clear()
+    _fast[key] = run
+
+
+def clear_cache() -> None:
+    """Forget the gated launchers and bound replays."""
+    _fast.clear()
+    _launchers.clear()
+
+
+def _gated_linear(input, w_gate, w_up, b_gate, b_up, activation):
+    """Every mode: validation, then the op, the autograd Function, the kernel or the torch expression."""
+    if modes.is_compiling():
+        check(input, w_gate, w_up, b_gate, b_up, activation)
+        if not (input.dtype in _KERNEL_DTYPES and input.numel() <= GATED_MAX_M * input.shape[-1]):
+            return reference(input, w_gate, w_up, b_gate, b_up, activation)  # traced: Inductor fuses it
+        args = _autocast(input, w_gate, w_up, b_gate, b_up) if torch._C._is_any_autocast_enabled() else (
+            input, w_gate, w_up, b_gate, b_up)
+        save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args)
+        return _gated_op(*args, activation, save)[0]
+    check(input, w_gate, w_up, b_gate, b_up, activation)
+    if modes.torch_only(input, w_gate, w_up, b_gate, b_up):
+        return reference(input, w_gate, w_up, b_gate, b_up, activation)
+    if torch._C._is_any_autocast_enabled():
+        input, w_gate, w_up, b_gate, b_up = _autocast(input, w_gate, w_up, b_gate, b_up)
+    if not kernel_serves(input):
+        return reference(input, w_gate, w_up, b_gate, b_up, activation)
+    tensors = (input, w_gate, w_up, b_gate, b_up)
+    if not (modes.eager() and modes.plain(*tensors)):
+        save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        return _gated_op(*tensors, activation, save)[0]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        with torch._C._ExcludeDispatchKeyGuard(routes._AUTOCAST_KEYS):
+            return _GatedFunction.apply(*tensors, activation)
+    return forward(*tensors, activation, False)[0]
