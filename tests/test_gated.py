@@ -88,6 +88,14 @@ def test_gradients_match_float64(act, bias):
         torch.testing.assert_close(t.grad.double(), r.grad, rtol=1e-4, atol=1e-4)
 
 
+def test_double_backward_raises_instead_of_a_wrong_answer():
+    x, wg, wu, _, _ = operands(4, 16, 32)
+    x.requires_grad_()
+    (gx,) = torch.autograd.grad(tritonmm.gated_linear(x, wg, wu).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
+
+
 def test_leading_dims_strides_and_inputs_unchanged():
     x = randn(3, 9, 2 * 48)[:, ::2, ::2]  # (3, 5, 48), non-contiguous
     wg, wu = randn(40, 96)[:, ::2], randn(40, 48)

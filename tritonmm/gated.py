@@ -6,7 +6,7 @@ product, instead of two projections, the activation and the product as four tens
 
 Autograd: where a gradient is needed the forward also stores the two projections (rounded to the
 output dtype, as F.linear's outputs are); the backward uses them (no recomputation) and runs its
-four GEMMs on cuBLAS. Under ``torch.autocast`` the inputs are cast as F.linear casts them (weight
+four GEMMs on cuBLAS. It is differentiable once (double backward raises). Under ``torch.autocast`` the inputs are cast as F.linear casts them (weight
 casts reused within the region). Plain eager calls launch the kernel directly; other modes
 (``torch.compile``, ``torch.export``, tensor subclasses) go through the ``tritonmm::gated_linear``
 op; functorch transforms, float64, devices other than CUDA (or the interpreter's CPU) and empty
@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from . import activations, device as _device, modes, routes, runners
 from ._env import interpreting
@@ -179,6 +180,7 @@ class _GatedFunction(torch.autograd.Function):
         return h
 
     @staticmethod
+    @once_differentiable  # double backward raises instead of differentiating a non-differentiable formula
     def backward(ctx, grad_h):
         x, w_gate, w_up, g, u = ctx.saved_tensors
         return (*backward(grad_h, x, w_gate, w_up, g, u, ctx.activation, ctx.needs_input_grad[:5]), None)
@@ -212,6 +214,7 @@ def _op_setup_context(ctx, inputs, output):
     ctx.activation = activation
 
 
+@once_differentiable
 def _op_backward(ctx, grad_h, _grad_g, _grad_u):
     x, w_gate, w_up, g, u = ctx.saved_tensors
     return (*backward(grad_h, x, w_gate, w_up, g, u, ctx.activation, ctx.needs_input_grad[:5]), None, None)
