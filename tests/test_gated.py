@@ -88,14 +88,6 @@ def test_gradients_match_float64(act, bias):
         torch.testing.assert_close(t.grad.double(), r.grad, rtol=1e-4, atol=1e-4)
 
 
-def test_double_backward_raises_instead_of_a_wrong_answer():
-    x, wg, wu, _, _ = operands(4, 16, 32)
-    x.requires_grad_()
-    (gx,) = torch.autograd.grad(tritonmm.gated_linear(x, wg, wu).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError):
-        gx.sum().backward()
-
-
 def test_leading_dims_strides_and_inputs_unchanged():
     x = randn(3, 9, 2 * 48)[:, ::2, ::2]  # (3, 5, 48), non-contiguous
     wg, wu = randn(40, 96)[:, ::2], randn(40, 48)
@@ -127,7 +119,7 @@ def test_no_grad_calls_replay_a_bound_launch_per_geometry():
             for _ in range(2):  # the second call replays
                 assert_close_to_ref(tritonmm.gated_linear(other, *w), other, *w)
         assert len(gated._fast) == 4  # the strided input is copied, so it keys on its own geometry but replays too
-    with pytest.raises(RuntimeError, match="K must match"):
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # torch's own message
         tritonmm.gated_linear(randn(9, 40), wg, wu, bg, bu)
 
 
@@ -145,18 +137,56 @@ def test_errors_match_torch_types():
     x, wg, wu, bg, bu = operands(4, 16, 32, bias=True)
     with pytest.raises(TypeError):
         tritonmm.gated_linear(x.numpy(), wg, wu)
-    with pytest.raises(ValueError, match="activation"):
-        tritonmm.gated_linear(x, wg, wu, activation="tanh")
-    with pytest.raises(RuntimeError, match="K must match"):
-        tritonmm.gated_linear(randn(4, 31), wg, wu)
-    with pytest.raises(RuntimeError, match="one shape"):
-        tritonmm.gated_linear(x, wg, wu[:8])
-    with pytest.raises(RuntimeError, match="both biases"):
-        tritonmm.gated_linear(x, wg, wu, bg, None)
-    with pytest.raises(RuntimeError, match="float16"):
-        tritonmm.gated_linear(x, wg.half(), wu.half())
-    with pytest.raises(RuntimeError, match="bias must be"):
-        tritonmm.gated_linear(x, wg, wu, bg[:3], bu[:3])
+    for bad in ("tanh", ["silu"]):
+        with pytest.raises(ValueError, match="activation"):
+            tritonmm.gated_linear(x, wg, wu, activation=bad)
+    for args in ((randn(4, 31), wg, wu, None, None), (x, wg, wu[:8], None, None),
+                 (x, wg.half(), wu.half(), None, None), (x, wg, wu, bg[:3], bu[:3])):
+        with pytest.raises(RuntimeError) as from_torch:
+            gated.reference(*args)
+        with pytest.raises(type(from_torch.value)):
+            tritonmm.gated_linear(*args)
+
+
+def test_forms_the_kernel_does_not_take_are_served_as_torch_serves_them():
+    x, wg, wu, bg, bu = operands(4, 16, 32, bias=True)
+    for args in ((x, wg, wu, bg, None), (x, wg, wu, None, bu), (x, wg, wu, bg[:1], bu[:1]),
+                 (x, wg, wu, torch.tensor(0.5), torch.tensor(2.0)), (x, wg[0], wu[0], None, None),
+                 (x.to_sparse(), wg, wu, None, None)):
+        torch.testing.assert_close(tritonmm.gated_linear(*args), gated.reference(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_fast_path_keys_each_bias_on_its_own():
+    tritonmm.clear_cache()
+    x, wg, wu, _, bu = operands(4, 16, 32, bias=True)
+    with torch.no_grad():
+        for _ in range(2):
+            tritonmm.gated_linear(x, wg, wu)
+        torch.testing.assert_close(tritonmm.gated_linear(x, wg, wu, None, bu), gated.reference(x, wg, wu, None, bu))
+
+
+def test_double_backward_and_gradient_penalty_match_float64():
+    x, wg, wu, _, _ = operands(3, 8, 12)
+    hess = torch.autograd.functional.hessian(lambda t: tritonmm.gated_linear(t, wg, wu).sum(), x)
+    want = torch.autograd.functional.hessian(lambda t: gated.reference(t, wg.double(), wu.double()).sum(), x.double())
+    assert want.abs().max() > 0
+    torch.testing.assert_close(hess.double(), want, rtol=1e-4, atol=1e-4)
+    w1, w2 = wg.clone().requires_grad_(), wg.double().requires_grad_()
+    for w, xx, f in ((w1, x.clone().requires_grad_(), tritonmm.gated_linear), (w2, x.double().requires_grad_(),
+                                                                                gated.reference)):
+        (g,) = torch.autograd.grad(f(xx, w, wu.to(w.dtype)).sum(), xx, create_graph=True)
+        g.square().sum().backward()
+    torch.testing.assert_close(w1.grad.double(), w2.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_in_place_use_of_the_output_under_autograd():
+    x, wg, wu, _, _ = operands(3, 8, 12)
+    x.requires_grad_()
+    out = tritonmm.gated_linear(x, wg, wu)
+    out.mul_(2).sum().backward()
+    x2 = x.detach().double().requires_grad_()
+    (2 * gated.reference(x2, wg.double(), wu.double())).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x2.grad, rtol=1e-4, atol=1e-4)
 
 
 def test_autocast_casts_as_f_linear():
@@ -166,6 +196,10 @@ def test_autocast_casts_as_f_linear():
         ref = gated.reference(x, wg, wu)
     assert out.dtype == ref.dtype == torch.bfloat16
     assert_close_to_ref(out, x.bfloat16(), wg.bfloat16(), wu.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed input dtypes: autocast casts them all
+        mixed = tritonmm.gated_linear(x.bfloat16(), wg, wu.half())
+        want = gated.reference(x.bfloat16(), wg, wu.half())
+    torch.testing.assert_close(mixed, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -180,6 +214,20 @@ def test_compile_fullgraph_values_and_grads(dynamic):
     gated.reference(x.double(), wg2, wu.double()).sum().backward()
     torch.testing.assert_close(out.double(), ref64(x, wg, wu), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(wg.grad.double(), wg2.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_compile_dynamic_rows_across_the_limit_and_export():
+    x, wg, wu, _, _ = operands(20, 16, 32)
+    f = torch.compile(lambda t: tritonmm.gated_linear(t, wg, wu), fullgraph=True, dynamic=True, backend="aot_eager")
+    for rows in (3, 20, 1, 17):
+        torch.testing.assert_close(f(x[:rows]), gated.reference(x[:rows], wg, wu), rtol=1e-5, atol=1e-5)
+
+    class Gated(nn.Module):
+        def forward(self, t):
+            return tritonmm.gated_linear(t, wg, wu)
+
+    ep = torch.export.export(Gated(), (x,), dynamic_shapes=({0: torch.export.Dim("M", min=2, max=64)},))
+    torch.testing.assert_close(ep.module()(x[:5]), gated.reference(x[:5], wg, wu), rtol=1e-5, atol=1e-5)
 
 
 def test_opcheck():
@@ -299,6 +347,18 @@ def test_hook_on_gate_runs_the_original_forward(monkeypatch):
     calls = _count_gated(monkeypatch)
     mlp(randn(3, 48))
     assert seen == [torch.Size([3, 80])] and not calls
+
+
+def test_instance_forward_and_backward_hooks_run_the_original_forward(monkeypatch):
+    mlp = tritonmm.fuse(MLP())
+    calls = _count_gated(monkeypatch)
+    mlp.gate_proj.forward = lambda x: torch.zeros(*x.shape[:-1], 80)
+    assert torch.equal(mlp(randn(3, 48)), mlp.down_proj(torch.zeros(3, 80)))
+    del mlp.gate_proj.forward
+    seen = []
+    mlp.up_proj.register_full_backward_hook(lambda m, gi, go: seen.append(1))
+    mlp(randn(3, 48).requires_grad_()).sum().backward()
+    assert seen == [1] and not calls
 
 
 def test_unknown_activation_and_other_forms_are_left_alone():

@@ -152,7 +152,7 @@ def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
 
 
 def clear_cache() -> None:
-    """Forget every cached decision, runner and weight cast (e.g. after installing a new tuned table)
+    """Forget every cached decision, runner and weight plan (e.g. after installing a new tuned table)
     and free this thread's workspace buffers."""
     routes.clear()
     runners.clear_cache()

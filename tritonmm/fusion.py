@@ -9,17 +9,19 @@ activation (SiLU, GELU, tanh-GELU, ReLU; torch's or transformers' modules). Like
 parameters, ``state_dict``, hooks, tied weights and ``isinstance`` are untouched. At call time the
 fused forward runs :func:`tritonmm.gated_linear` on the gate and up weights where they are, then
 ``down_proj`` as a module, for calls of up to :data:`tritonmm.gated.GATED_MAX_M` rows (decode);
-larger calls, and calls where a forward hook or pre-hook is registered on ``gate_proj``, ``up_proj``
-or ``act_fn`` (they would not see their calls) or a projection is no longer such a Linear, run the
-recognised forward itself.
+larger calls, and calls where a forward or backward hook is registered on ``gate_proj``, ``up_proj``
+or ``act_fn`` (or globally), an instance's ``forward`` is replaced (accelerate's hooks do that) or a
+projection is no longer such a Linear, run the recognised forward itself.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx import Proxy as _Proxy
 from torch.nn.modules import module as _module
 
 from .gated import GATED_MAX_M, gated_linear
@@ -82,16 +84,26 @@ def fusable(module: nn.Module) -> bool:
         and activation_name(getattr(module, "act_fn", None)) is not None
 
 
+_is_compiling = torch.compiler.is_compiling
 _linear_types: dict = {}  # type -> whether its instances run nn.Linear's forward (or tritonmm's swapped one)
 
 
+def _hooked(m) -> bool:
+    """Forward or backward hooks, or a forward set on the instance (as accelerate's hooks do)."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or "forward" in m.__dict__)
+
+
 def _fused_forward(self, x):
-    try:
-        small = x.numel() <= GATED_MAX_M * x.shape[-1]  # larger calls: the module's own forward (cuBLAS)
-    except (AttributeError, IndexError, TypeError, RuntimeError):
-        small = False
+    if _is_compiling():
+        small = True  # gated_linear decides at trace time
+    else:
+        try:
+            small = type(x) is not _Proxy and x.numel() <= GATED_MAX_M * x.shape[-1]
+        except (AttributeError, IndexError, TypeError, RuntimeError):
+            small = False
     gate, up, act = self.gate_proj, self.up_proj, self.act_fn
-    if small:
+    if small:  # larger calls: the module's own forward (cuBLAS)
         name = activation_name(act)
         gt, ut = type(gate), type(up)
         if gt not in _linear_types:
@@ -99,12 +111,10 @@ def _fused_forward(self, x):
         if ut not in _linear_types:
             _linear_types[ut] = _plain_linear(up)
         if name is not None and _linear_types[gt] and _linear_types[ut] and not (
-                gate._forward_hooks or gate._forward_pre_hooks or up._forward_hooks or up._forward_pre_hooks
-                or act._forward_hooks or act._forward_pre_hooks or _module._global_forward_hooks
-                or _module._global_forward_pre_hooks):
-            bg, bu = gate.bias, up.bias
-            if (bg is None) == (bu is None):
-                return self.down_proj(gated_linear(x, gate.weight, up.weight, bg, bu, name))
+                _hooked(gate) or _hooked(up) or _hooked(act) or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks or _module._global_backward_hooks
+                or _module._global_backward_pre_hooks):
+            return self.down_proj(gated_linear(x, gate.weight, up.weight, gate.bias, up.bias, name))
     return self.down_proj(act(gate(x)) * up(x))  # the recognised forward, written out
 
 

@@ -6,7 +6,8 @@ product, instead of two projections, the activation and the product as four tens
 
 Autograd: where a gradient is needed the forward also stores the two projections (rounded to the
 output dtype, as F.linear's outputs are); the backward uses them (no recomputation) and runs its
-four GEMMs on cuBLAS. It is differentiable once (double backward raises). Under ``torch.autocast`` the inputs are cast as F.linear casts them (weight
+four GEMMs on cuBLAS. A backward with ``create_graph=True`` (double backward) differentiates the
+torch expression, recomputed. Under ``torch.autocast`` the inputs are cast as F.linear casts them (weight
 casts reused within the region). Plain eager calls launch the kernel directly; other modes
 (``torch.compile``, ``torch.export``, tensor subclasses) go through the ``tritonmm::gated_linear``
 op; functorch transforms, float64, devices other than CUDA (or the interpreter's CPU) and empty
@@ -22,7 +23,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import activations, device as _device, modes, routes, runners
 from ._env import interpreting
@@ -39,6 +39,7 @@ TMA_MIN_M = 64
 :func:`forward` callers that pass larger M); the pointer kernel's small-M tiles serve the rest."""
 _LAUNCHERS_MAX = 1024
 _launchers: dict = {}
+_is_compiling = torch.compiler.is_compiling
 
 
 def reference(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
@@ -48,30 +49,32 @@ def reference(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] 
 
 
 def check(x, w_gate, w_up, b_gate, b_up, activation) -> None:
-    """Validate the arguments as F.linear would (TypeError / ValueError / RuntimeError)."""
+    """Argument types and the activation (TypeError / ValueError); shapes, dtypes and devices are
+    checked by :func:`kernel_shaped`, and where it says no, by F.linear itself."""
     for name, t in (("input", x), ("w_gate", w_gate), ("w_up", w_up)):
         routes._require_tensor(name, t, "gated_linear")
     for name, t in (("b_gate", b_gate), ("b_up", b_up)):
         if t is not None:
             routes._require_tensor(name, t, "gated_linear")
-    if activation not in GATED_ACTIVATIONS:
+    if not isinstance(activation, str) or activation not in GATED_ACTIVATIONS:
         raise ValueError(f"tritonmm.gated_linear: unknown activation {activation!r}; expected one of {GATED_ACTIVATIONS}")
-    if w_gate.dim() != 2 or w_gate.shape != w_up.shape:
-        raise RuntimeError(f"tritonmm.gated_linear: w_gate and w_up must be 2-D of one shape, got "
-                           f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
-    if x.dim() == 0 or x.shape[-1] != w_gate.shape[1]:
-        raise RuntimeError(f"tritonmm.gated_linear: input of shape {tuple(x.shape)} cannot be multiplied by "
-                           f"weights of shape {tuple(w_gate.shape)} (K must match)")
+
+
+def kernel_shaped(x, w_gate, w_up, b_gate, b_up) -> bool:
+    """Whether the call has the form the kernel takes: 2-D weights of one shape, K matching, both biases
+    (N,) or neither, one dtype and one device, plain strided tensors. Other calls (valid ones such as
+    1-D weights or broadcast biases, and invalid ones, which raise there) go to the torch expression."""
+    if w_gate.dim() != 2 or w_gate.shape != w_up.shape or x.dim() == 0 or x.shape[-1] != w_gate.shape[1]:
+        return False
     if (b_gate is None) != (b_up is None):
-        raise RuntimeError("tritonmm.gated_linear: give both biases or neither")
-    for t in (w_gate, w_up, b_gate, b_up):
-        if t is not None and t.dtype != x.dtype:
-            raise RuntimeError(f"tritonmm.gated_linear: expected all arguments in {x.dtype}, got {t.dtype}")
-        if t is not None and t.device != x.device:
-            raise RuntimeError(f"tritonmm.gated_linear: expected all arguments on {x.device}, got {t.device}")
-    for t in (b_gate, b_up):
-        if t is not None and tuple(t.shape) != (w_gate.shape[0],):
-            raise RuntimeError(f"tritonmm.gated_linear: a bias must be ({w_gate.shape[0]},), got {tuple(t.shape)}")
+        return False
+    tensors = (x, w_gate, w_up) if b_gate is None else (x, w_gate, w_up, b_gate, b_up)
+    if b_gate is not None and (b_gate.dim() != 1 or b_gate.shape[0] != w_gate.shape[0] or b_up.shape != b_gate.shape):
+        return False
+    dtype, device = x.dtype, x.device
+    if not all(t.dtype == dtype and t.device == device and t.layout is torch.strided for t in tensors):
+        return False
+    return _is_compiling() or not any(t.is_neg() or t._is_zerotensor() for t in tensors)  # (untraceable checks)
 
 
 def kernel_serves(x: Tensor) -> bool:
@@ -98,7 +101,8 @@ def _unit_last(t: Tensor) -> Tensor:
 
 def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: str, save: bool,
             kernel: Optional[str] = None, config: Optional[dict] = None):
-    """Run the kernel: (h, g, u), h of shape (*x.shape[:-1], N); g and u (M, N) when ``save``, else None."""
+    """Run the kernel on a :func:`kernel_shaped` call: (h, g, u), h of shape (*x.shape[:-1], N); g and u
+    (M, N) when ``save``, else None."""
     from .kernels.gated_launchers import gated_launcher
     from .kernels.launch import LAUNCH_FAILURES
 
@@ -119,7 +123,8 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
             _launchers.clear()
         launch = _launchers[key] = gated_launcher(kernel, M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0),
                                                   x.dtype, x.device, bias_strides, save, activation, config)
-    h = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out = torch.empty((*lead, N), dtype=x.dtype, device=x.device)  # not a view: in-place use stays allowed
+    h = out.view(M, N)
     g = u = None
     if save:
         g = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -131,7 +136,7 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
         warnings.warn(f"tritonmm.gated_linear: the {kernel} kernel failed ({type(e).__name__}: {e}); "
                       "torch serves this geometry", runners.KernelFailedWarning, stacklevel=3)
         _launchers[key](x2, w_gate, w_up, b_gate, b_up, h, g, u)
-    return h.view(*lead, N), g, u
+    return out, g, u
 
 
 def _failed(x2, w_gate, w_up, b_gate, b_up, h, g, u, activation):
@@ -169,27 +174,44 @@ def backward(grad_h: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, g: Tensor,
     return dx, dwg, dwu, dbg, dbu
 
 
+def _graph_backward(grad_h, x, w_gate, w_up, b_gate, b_up, activation, needs):
+    """The gradients as a differentiable graph (backward with ``create_graph=True``: double backward,
+    gradient penalties): the torch expression recomputed and differentiated."""
+    inputs = (x, w_gate, w_up, b_gate, b_up)
+    wanted = [t for t, n in zip(inputs, needs) if n]
+    with torch.enable_grad():
+        grads = iter(torch.autograd.grad(reference(*inputs, activation), wanted, grad_h, create_graph=True,
+                                         allow_unused=True))
+    return tuple(next(grads) if n else None for n in needs)
+
+
+def _saved_backward(ctx, grad_h):
+    x, w_gate, w_up, b_gate, b_up, g, u = ctx.saved_tensors
+    needs = tuple(ctx.needs_input_grad[:5])
+    if torch.is_grad_enabled():  # create_graph=True
+        return _graph_backward(grad_h, x, w_gate, w_up, b_gate, b_up, ctx.activation, needs)
+    return backward(grad_h, x, w_gate, w_up, g, u, ctx.activation, needs)
+
+
 class _GatedFunction(torch.autograd.Function):
     """The gated linear in eager mode with autograd: kernel forward, saved projections, cuBLAS backward."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, b_gate, b_up, activation):
         h, g, u = forward(x, w_gate, w_up, b_gate, b_up, activation, True)
-        ctx.save_for_backward(x, w_gate, w_up, g, u)
+        ctx.save_for_backward(x, w_gate, w_up, b_gate, b_up, g, u)
         ctx.activation = activation
         return h
 
     @staticmethod
-    @once_differentiable  # double backward raises instead of differentiating a non-differentiable formula
     def backward(ctx, grad_h):
-        x, w_gate, w_up, g, u = ctx.saved_tensors
-        return (*backward(grad_h, x, w_gate, w_up, g, u, ctx.activation, ctx.needs_input_grad[:5]), None)
+        return (*_saved_backward(ctx, grad_h), None)
 
 
 @torch.library.custom_op("tritonmm::gated_linear", mutates_args=())
 def _gated_op(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor], b_up: Optional[Tensor],
               activation: str, save: bool) -> tuple[Tensor, Tensor, Tensor]:
-    if not kernel_serves(x):
+    if not (kernel_serves(x) and kernel_shaped(x, w_gate, w_up, b_gate, b_up)):
         gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
         h = activations.apply(gate, activation) * up
         N = w_gate.shape[0]
@@ -210,14 +232,12 @@ def _gated_fake(x, w_gate, w_up, b_gate, b_up, activation, save):
 
 def _op_setup_context(ctx, inputs, output):
     x, w_gate, w_up, b_gate, b_up, activation, save = inputs
-    ctx.save_for_backward(x, w_gate, w_up, output[1], output[2])
+    ctx.save_for_backward(x, w_gate, w_up, b_gate, b_up, output[1], output[2])
     ctx.activation = activation
 
 
-@once_differentiable
 def _op_backward(ctx, grad_h, _grad_g, _grad_u):
-    x, w_gate, w_up, g, u = ctx.saved_tensors
-    return (*backward(grad_h, x, w_gate, w_up, g, u, ctx.activation, ctx.needs_input_grad[:5]), None, None)
+    return (*_saved_backward(ctx, grad_h), None, None)
 
 
 _gated_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -252,9 +272,9 @@ def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[T
     if not _is_compiling():
         try:
             key = _fast_key(input, w_gate, w_up, b_gate, b_up, activation)
+            run = _fast.get(key) if key is not None else None
         except (AttributeError, RuntimeError, TypeError):  # a non-tensor, nested or storage-less operand
-            key = None
-        run = _fast.get(key) if key is not None else None
+            key = run = None
         if run is not None:
             return run(input, w_gate, w_up, b_gate, b_up)
         out = _gated_linear(input, w_gate, w_up, b_gate, b_up, activation)
@@ -266,7 +286,6 @@ def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[T
 
 _fast: dict = {}
 _FAST_MAX = 1024
-_is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 
@@ -282,18 +301,19 @@ def _fast_key(x, wg, wu, bg, bu, activation):
         return None
     return (type(x), type(wg), type(wu), x.shape, x.stride(), x.dtype, x.device, wg.shape, wg.stride(), wg.dtype,
             wg.device, wu.shape, wu.stride(), wu.dtype, wu.device, x.data_ptr() & 15, wg.data_ptr() & 15,
-            wu.data_ptr() & 15, activation, None if bg is None else (type(bg), bg.shape, bg.stride(), bg.dtype,
-                                                                     bg.device, type(bu), bu.shape, bu.stride(),
-                                                                     bu.dtype, bu.device),
-            routes.raw_get(routes._AUTOTUNE))
+            wu.data_ptr() & 15, activation, _bias_key(bg), _bias_key(bu), routes.raw_get(routes._AUTOTUNE))
+
+
+def _bias_key(b):
+    return None if b is None else (type(b), b.shape, b.stride(), b.dtype, b.device)
 
 
 def _fast_eligible(x, wg, wu, bg, bu) -> bool:
     """Whether a call whose key was taken can be replayed by a bound launch: plain tensors the kernel
     serves, unit column strides, no pending negation or zero tensor."""
     tensors = (x, wg, wu, bg, bu)
-    return (kernel_serves(x) and modes.plain(*tensors) and not modes.torch_only(*tensors)
-            and wg.stride(-1) == 1 and wu.stride(-1) == 1)
+    return (kernel_serves(x) and kernel_shaped(*tensors) and modes.plain(*tensors) and modes.eager()
+            and not modes.torch_only(*tensors) and wg.stride(-1) == 1 and wu.stride(-1) == 1)
 
 
 def _remember(key, x, wg, wu, bg, bu, activation) -> None:
@@ -333,26 +353,23 @@ def clear_cache() -> None:
 
 def _gated_linear(input, w_gate, w_up, b_gate, b_up, activation):
     """Every mode: validation, then the op, the autograd Function, the kernel or the torch expression."""
-    if modes.is_compiling():
-        check(input, w_gate, w_up, b_gate, b_up, activation)
-        if not (input.dtype in _KERNEL_DTYPES and input.numel() <= GATED_MAX_M * input.shape[-1]):
-            return reference(input, w_gate, w_up, b_gate, b_up, activation)  # traced: Inductor fuses it
-        args = _autocast(input, w_gate, w_up, b_gate, b_up) if torch._C._is_any_autocast_enabled() else (
-            input, w_gate, w_up, b_gate, b_up)
-        save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args)
-        return _gated_op(*args, activation, save)[0]
     check(input, w_gate, w_up, b_gate, b_up, activation)
-    if modes.torch_only(input, w_gate, w_up, b_gate, b_up):
-        return reference(input, w_gate, w_up, b_gate, b_up, activation)
-    if torch._C._is_any_autocast_enabled():
-        input, w_gate, w_up, b_gate, b_up = _autocast(input, w_gate, w_up, b_gate, b_up)
-    if not kernel_serves(input):
-        return reference(input, w_gate, w_up, b_gate, b_up, activation)
     tensors = (input, w_gate, w_up, b_gate, b_up)
-    if not (modes.eager() and modes.plain(*tensors)):
-        save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-        return _gated_op(*tensors, activation, save)[0]
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if modes.is_compiling():  # decided at trace time; symbolic sizes take the torch expression (no guard)
+        n, K = input.numel(), input.shape[-1]
+        if isinstance(n, torch.SymInt) or isinstance(K, torch.SymInt) or input.dtype not in _KERNEL_DTYPES \
+                or n > GATED_MAX_M * K:
+            return reference(*tensors, activation)  # traced: Inductor fuses the elementwise work
+    elif modes.torch_only(*tensors):
+        return reference(*tensors, activation)
+    if torch._C._is_any_autocast_enabled():
+        tensors = _autocast(*tensors)
+    if not (kernel_serves(tensors[0]) and kernel_shaped(*tensors)):
+        return reference(*tensors, activation)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not (modes.eager() and all(t is None or type(t) in modes.PLAIN for t in tensors)):
+        return _gated_op(*tensors, activation, grad)[0]  # compile, export, subclasses, modes
+    if grad:
         with torch._C._ExcludeDispatchKeyGuard(routes._AUTOCAST_KEYS):
             return _GatedFunction.apply(*tensors, activation)
     return forward(*tensors, activation, False)[0]

@@ -15,7 +15,6 @@ looks up a callable resolved on the first call with that key:
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -57,26 +56,11 @@ def _cast(t, dtype):
     return t
 
 
-_weight_casts: dict = {}
-
-
-def _cast_weight(t, dtype):
-    """:func:`_cast`, reusing one cast of a leaf parameter until it changes (its version counter), as
-    torch's autocast cache reuses weight casts within an autocast region. Dropped when the parameter
-    is freed, and by :func:`tritonmm.clear_cache`."""
-    if not (isinstance(t, Tensor) and t.is_leaf and t.requires_grad and torch.is_autocast_cache_enabled()):
-        return _cast(t, dtype)
-    if t.dtype == dtype or not t.is_floating_point() or t.dtype == torch.float64:
-        return t
-    key = id(t)
-    hit = _weight_casts.get(key)
-    grad = _grad_enabled()
-    if hit is not None and hit[0]() is t and hit[1] == (t._version, dtype, t.device, grad):
-        return hit[2]
-    cast = t.to(dtype)
-    _weight_casts[key] = (weakref.ref(t, lambda _, k=key: _weight_casts.pop(k, None)), (t._version, dtype, t.device,
-                                                                                      grad), cast)
-    return cast
+_cast_weight = _cast
+"""Weights are cast on every call, as F.linear casts them on its first use in an autocast region.
+(Torch reuses a leaf's cast within one region and clears its cache when the region ends; a cache
+of tritonmm's own would outlive the region and could serve a stale cast after ``param.data``
+changes in place.)"""
 
 
 class _MatmulFunction(torch.autograd.Function):
@@ -337,7 +321,6 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
 
 
 def clear() -> None:
-    """Forget every route and weight cast."""
+    """Forget every route and weight plan."""
     _cache.clear()
-    _weight_casts.clear()
     plans.clear()

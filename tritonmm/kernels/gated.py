@@ -2,9 +2,8 @@
 
 One program computes the same (BLOCK_M, BLOCK_N) output tile of both GEMMs, reading the X tile once for
 both, with two fp32 accumulators; the epilogue adds the biases, applies the activation to the gate and
-multiplies by the up projection before the one rounding to the output dtype, so neither projection
-is written to memory unless the backward needs them (``SAVE``: both stored, rounded as F.linear
-rounds them). Both weights are (N, K) nn.Linear weights read in place through their own pointers.
+multiplies by the up projection, rounding where the eager expression rounds, so neither projection
+is written to memory unless the backward needs them (``SAVE``: both stored). Both weights are (N, K) nn.Linear weights read in place through their own pointers.
 
 Two families, as for the plain GEMM: the pointer kernel (any M, masked; small-M tiles) and the
 persistent TMA kernel (Hopper and newer; Triton tutorial 09's loop over output tiles).
@@ -26,10 +25,15 @@ def _gated_epilogue(acc_g, acc_u, offs_m, offs_n, M, N, bg_ptr, bu_ptr, stride_b
     offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     dtype = h_ptr.dtype.element_ty
+    # rounded where eager rounds (each projection, the activation, the product): the same values,
+    # infinities and NaNs as act(F.linear(x, Wg)) * F.linear(x, Wu) up to the accumulation order
+    g = _to_output(acc_g, dtype, UPCAST)
+    u = _to_output(acc_u, dtype, UPCAST)
     if SAVE:
-        tl.store(g_ptr + offs, _to_output(acc_g, dtype, UPCAST), mask=mask)
-        tl.store(u_ptr + offs, _to_output(acc_u, dtype, UPCAST), mask=mask)
-    h = _activation(acc_g, ACTIVATION) * acc_u
+        tl.store(g_ptr + offs, g, mask=mask)
+        tl.store(u_ptr + offs, u, mask=mask)
+    a = _to_output(_activation(g.to(tl.float32), ACTIVATION), dtype, UPCAST)
+    h = a.to(tl.float32) * u.to(tl.float32)
     tl.store(h_ptr + offs, _to_output(h, dtype, UPCAST), mask=mask)
 
 
