@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -284,30 +283,27 @@ def _from_table(device: torch.device, dtype: torch.dtype, plan: Plan) -> Decisio
     e = _tuned.entry(device, dtype, plan)
     if e is None:
         return None
-    decision = _table_decision(e, plan, dtype)
-    if e.get("prior"):
-        return dataclasses.replace(decision, reason=decision.reason.replace(
-            "tuned table:", f"tuned table (measured with triton {e['prior']}, used as a prior):", 1))
-    return decision
+    source = f"tuned table (measured with triton {e['prior']}, used as a prior)" if e.get("prior") else "tuned table"
+    return _table_decision(e, plan, dtype, source)
 
 
-def _table_decision(e: dict, plan: Plan, dtype: torch.dtype) -> Decision:
+def _table_decision(e: dict, plan: Plan, dtype: torch.dtype, source: str) -> Decision:
     ratio = e["torch_us"] / e["triton_us"] if e.get("triton_us") else 0.0
     if e["backend"] == "torch":
         if e.get("kernel") == "padded":
             if padded_shape(plan, dtype) is not None:
-                return Decision("torch", "padded", f"tuned table: cuBLAS on zero-padded aligned copies measured "
+                return Decision("torch", "padded", f"{source}: cuBLAS on zero-padded aligned copies measured "
                                                    f"{ratio:.2f}x torch.matmul")
-            return Decision("torch", None, "tuned table: cuBLAS (operands already aligned)")
+            return Decision("torch", None, f"{source}: cuBLAS (operands already aligned)")
         if ratio >= 1.0:  # Triton measured faster, by less than the tuner's --min-gain/--min-gain-us
-            return Decision("torch", None, f"tuned table: cuBLAS kept (Triton measured {ratio:.2f}x, inside the "
+            return Decision("torch", None, f"{source}: cuBLAS kept (Triton measured {ratio:.2f}x, inside the "
                                            f"tuner's margin)")
-        return Decision("torch", None, f"tuned table: cuBLAS measured faster (Triton {ratio:.2f}x)")
+        return Decision("torch", None, f"{source}: cuBLAS measured faster (Triton {ratio:.2f}x)")
     if not _tuned.saves(e, TRITON_MIN_SAVING_US):
-        return Decision("torch", None, f"tuned table: Triton measured {ratio:.2f}x, saving less GPU time than its "
+        return Decision("torch", None, f"{source}: Triton measured {ratio:.2f}x, saving less GPU time than its "
                                        f"launch costs on the host")
     copies = tma_copies(plan) if e["kernel"] == "tma" else ()
-    return Decision("triton", e["kernel"], f"tuned table: measured {ratio:.2f}x cuBLAS", config=e["config"], copies=copies)
+    return Decision("triton", e["kernel"], f"{source}: measured {ratio:.2f}x cuBLAS", config=e["config"], copies=copies)
 
 
 def torch_everywhere(problems, dtype: torch.dtype, device: torch.device) -> bool:

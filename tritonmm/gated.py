@@ -114,9 +114,7 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
     if kernel is None or kernel == "tma" and not _tma_ok(x2, w_gate, w_up):
         kernel = choose_kernel(x2, w_gate, w_up)
     bias_strides = None if b_gate is None else (b_gate.stride(0), b_up.stride(0))
-    key = (kernel, M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0), x.dtype, x.device, bias_strides, save,
-           activation, None if config is None else tuple(sorted(config.items())),
-           x2.data_ptr() % 16 == 0 and w_gate.data_ptr() % 16 == 0 and w_up.data_ptr() % 16 == 0)
+    key = _launcher_key(kernel, x2, w_gate, w_up, bias_strides, save, activation, config)
     launch = _launchers.get(key)
     if launch is None:
         if len(_launchers) >= _LAUNCHERS_MAX:
@@ -137,6 +135,15 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
                       "torch serves this geometry", runners.KernelFailedWarning, stacklevel=3)
         _launchers[key](x2, w_gate, w_up, b_gate, b_up, h, g, u)
     return out, g, u
+
+
+def _launcher_key(kernel, x2, w_gate, w_up, bias_strides, save, activation, config) -> tuple:
+    """What a gated launcher is built for: kernel, sizes, strides, dtype, device, epilogue, config and
+    the operands' 16-byte alignment."""
+    (M, K), N = x2.shape, w_gate.shape[0]
+    return (kernel, M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0), x2.dtype, x2.device, bias_strides, save,
+            activation, None if config is None else tuple(sorted(config.items())),
+            x2.data_ptr() % 16 == 0 and w_gate.data_ptr() % 16 == 0 and w_up.data_ptr() % 16 == 0)
 
 
 def _failed(x2, w_gate, w_up, b_gate, b_up, h, g, u, activation):
@@ -247,8 +254,8 @@ def _autocast(x: Tensor, w_gate, w_up, b_gate, b_up):
     dtype = routes._autocast_dtype(x)
     if dtype is None:
         return x, w_gate, w_up, b_gate, b_up
-    cw = routes._cast_weight
-    return routes._cast(x, dtype), cw(w_gate, dtype), cw(w_up, dtype), cw(b_gate, dtype), cw(b_up, dtype)
+    cast = routes._cast
+    return cast(x, dtype), cast(w_gate, dtype), cast(w_up, dtype), cast(b_gate, dtype), cast(b_up, dtype)
 
 
 def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
@@ -325,9 +332,8 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
     if contiguous:
         x2 = x2.contiguous()
     kernel = choose_kernel(x2, wg, wu)
-    launch = _launchers.get((kernel, M, N, K, x2.stride(0), wg.stride(0), wu.stride(0), x.dtype, x.device,
-                             None if bg is None else (bg.stride(0), bu.stride(0)), False, activation, None,
-                             x2.data_ptr() % 16 == 0 and wg.data_ptr() % 16 == 0 and wu.data_ptr() % 16 == 0))
+    launch = _launchers.get(_launcher_key(kernel, x2, wg, wu, None if bg is None else (bg.stride(0), bu.stride(0)),
+                                          False, activation, None))
     if launch is None or isinstance(launch, functools.partial) or M == 0:  # not built, failed, or empty
         return
     dtype, device, out_shape = x.dtype, x.device, (*lead, N)

@@ -50,17 +50,15 @@ def _autocast_dtype(t: Tensor):
 
 
 def _cast(t, dtype):
-    """An autocast cast, as torch's autocast casts matmul / linear inputs (floating, not float64)."""
+    """An autocast cast, as torch's autocast casts matmul / linear inputs (floating, not float64).
+
+    Weights too are cast on every call, as F.linear casts them on its first use in an autocast region
+    (torch reuses a leaf's cast within one region and clears its cache when the region ends; a cache
+    of tritonmm's own would outlive the region and could serve a stale cast after ``param.data``
+    changes in place)."""
     if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.dtype != dtype:
         return t.to(dtype)
     return t
-
-
-_cast_weight = _cast
-"""Weights are cast on every call, as F.linear casts them on its first use in an autocast region.
-(Torch reuses a leaf's cast within one region and clears its cache when the region ends; a cache
-of tritonmm's own would outlive the region and could serve a stale cast after ``param.data``
-changes in place.)"""
 
 
 class _MatmulFunction(torch.autograd.Function):
@@ -106,7 +104,7 @@ def matmul_slow(a: Tensor, b: Tensor) -> Tensor:
     if _any_autocast():
         dtype = _autocast_dtype(a)
         if dtype is not None:
-            a, b = _cast(a, dtype), _cast_weight(b, dtype)
+            a, b = _cast(a, dtype), _cast(b, dtype)
     if _needs_grad(a, b):
         return _MatmulFunction.apply(a, b)
     return runners.matmul(a, b)
@@ -125,7 +123,7 @@ def linear_slow(x: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
     if _any_autocast():
         dtype = _autocast_dtype(x)
         if dtype is not None:
-            x, weight, bias = _cast(x, dtype), _cast_weight(weight, dtype), _cast_weight(bias, dtype)
+            x, weight, bias = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
     if _needs_grad(x, weight, bias):
         return _LinearFunction.apply(x, weight, bias, activation)
     return runners.linear(x, weight, bias, activation)
