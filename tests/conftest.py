@@ -1,8 +1,12 @@
 """Shared test setup: interpreter on CPU machines, the `gpu` marker, hypothesis profiles, NaN poisoning."""
 
 import os
+import tempfile
 
 import torch
+
+# the tests decide with the shipped tables only, whatever this machine has tuned for its own models
+os.environ["TRITONMM_TUNED_DIR"] = tempfile.mkdtemp(prefix="tritonmm-tuned-")
 
 if not torch.cuda.is_available():
     # before anything imports triton: kernels run on CPU tensors through Triton's interpreter

@@ -225,7 +225,8 @@ def everything_torch(monkeypatch):
 
 def test_weight_plan_skips_the_key(everything_torch, monkeypatch):
     """A weight free of tritonmm gets a plan on its first call; later calls are F.linear itself with no
-    key built, until the weight changes storage or shape, or something is forced."""
+    key built, until the weight changes storage or shape, or something is forced. A swapped layer
+    settles on its second call: it then runs nn.Linear's own forward (new data included) until forcing."""
     keyed = []
     orig = routes.linear_keyed
     monkeypatch.setattr(routes, "linear_keyed", lambda *a: keyed.append(1) or orig(*a))
@@ -236,15 +237,74 @@ def test_weight_plan_skips_the_key(everything_torch, monkeypatch):
     for _ in range(3):
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
         tritonmm.linear(x, lin.weight)
-    assert len(keyed) == 1
-    lin.weight.data = randn(8, 16)  # new storage: the plan is stale
-    lin(x)
+    assert len(keyed) == 1 and "_tritonmm_swapped" in type(lin).__dict__  # settled
+    lin.weight.data = randn(8, 16)  # new storage
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+    tritonmm.linear(x, lin.weight)  # the functional call checks the storage: the plan is stale
     assert len(keyed) == 2
     with tritonmm.force_backend("torch"):
-        lin(x)  # forcing bypasses plans
-    assert len(keyed) == 3
+        lin(x)  # forcing unsettles the layer and bypasses plans
+    assert len(keyed) == 3 and "_tritonmm_swapped" not in type(lin).__dict__
     tritonmm.clear_cache()
     assert not routes.plans
+
+
+def test_settled_layer_costs_nothing_and_unsettles(everything_torch, monkeypatch):
+    """Settled layers run nn.Linear's forward (no tritonmm code per call), keep isinstance, hooks,
+    state_dict and unswap; moving or replacing their weights, forcing and clear_cache unsettle them."""
+    import copy
+    import io
+
+    from tritonmm import nn as tnn
+
+    looked = []
+    monkeypatch.setattr(tnn, "_plans_get", lambda k: looked.append(k) or routes.plans.get(k))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    hooked = []
+    handle = model[0].register_forward_hook(lambda m, i, o: hooked.append(o.shape))
+    x = randn(3, 16)
+    want = model(x).detach()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    tritonmm.swap_linear(model)
+    for _ in range(2):
+        model(x)
+    settled = lambda m: "_tritonmm_swapped" in type(m).__dict__  # noqa: E731
+    assert settled(model[0]) and settled(model[2]) and isinstance(model[0], torch.nn.Linear)
+    before = len(looked)
+    for _ in range(3):
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    assert len(looked) == before and len(hooked) == 6  # no tritonmm code ran; hooks did
+    handle.remove()  # (a lambda does not pickle)
+    assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for other in (torch.load(buf, weights_only=False), copy.deepcopy(model)):  # copies start swapped
+        assert "_tritonmm_base" in type(other[0]).__dict__ and not settled(other[0])
+        torch.testing.assert_close(other(x), want, rtol=0, atol=0)
+    model.double()
+    assert not settled(model[0]) and not settled(model[2])  # new dtype: decided again
+    torch.testing.assert_close(model(x.double()), want.double(), rtol=1e-6, atol=1e-6)
+    model.float()
+    model(x), model(x)
+    assert settled(model[2])
+    model[2].weight = torch.nn.Parameter(randn(4, 8))
+    assert not settled(model[2])
+    model(x), model(x)
+    tritonmm.clear_cache()
+    assert not settled(model[0]) and not settled(model[2])
+    model(x), model(x)
+    tritonmm.unswap_linear(model)
+    assert type(model[0]) is torch.nn.Linear and type(model[2]) is torch.nn.Linear
+
+
+def test_settled_layer_under_compile(everything_torch):
+    model = tritonmm.swap_linear(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.GELU()))
+    x = randn(4, 16)
+    model(x), model(x)
+    assert "_tritonmm_swapped" in type(model[0]).__dict__
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)
 
 
 def test_weight_plan_for_a_weight_that_may_reach_triton(monkeypatch):
@@ -264,7 +324,7 @@ def test_weight_free_reads_every_gemm_of_the_weight(monkeypatch):
     from tritonmm import tuned
 
     cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_stages": 4, "num_warps": 4}
-    win = {"backend": "triton", "kernel": "pointer", "config": cfg, "triton_us": 10.0, "torch_us": 20.0}
+    win = {"backend": "triton", "kernel": "pointer", "config": cfg, "triton_us": 10.0, "torch_us": 40.0}
     cuda = torch.device("cuda", 0)
 
     def free_with(key):

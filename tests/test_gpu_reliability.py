@@ -378,7 +378,7 @@ def test_bad_tuned_table_warns_once_and_falls_back_to_defaults(content, tmp_path
     (tmp_path / "tuned").mkdir()
     (tmp_path / "tuned" / "h200.json").write_text(content, errors="surrogateescape")
     monkeypatch.setenv("TRITONMM_CONFIG_DIR", str(tmp_path))
-    tuned._table_for.cache_clear()
+    tuned.clear()
     tritonmm.clear_cache()
     try:
         problems = [(randn(4096, 4096, dtype=BF16, device="cuda"), randn(4096, 4096, dtype=BF16, device="cuda")),
@@ -393,5 +393,5 @@ def test_bad_tuned_table_warns_once_and_falls_back_to_defaults(content, tmp_path
         assert not tritonmm.explain(*problems[0]).reason.startswith("tuned table")  # no table entry used
     finally:
         monkeypatch.delenv("TRITONMM_CONFIG_DIR")
-        tuned._table_for.cache_clear()
+        tuned.clear()
         tritonmm.clear_cache()

@@ -10,6 +10,7 @@ Public API (re-exports only; importing neither initialises CUDA nor reads files)
 * :func:`gated_linear`: ``act(F.linear(x, w_gate)) * F.linear(x, w_up)`` as one GEMM; :func:`fuse`,
   :func:`unfuse`: gated MLPs (Llama, Mistral, Qwen2, Gemma) run through it.
 * :func:`patch_linear`, :func:`unpatch_linear`, :func:`swap_linear`, :func:`unswap_linear`: nn.Linear integration.
+* :func:`tune_model`: measure a model's GEMMs on this GPU ahead of time, into this machine's tuned table.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from .gated import gated_linear
 from .nn import TritonLinear, patch_linear, swap_linear, unpatch_linear, unswap_linear
 
 __version__ = "0.1.0"
+
+
+def tune_model(model, *example_args, **example_kwargs) -> dict:
+    """Measure every GEMM of one forward and backward pass of ``model(*example_args, **example_kwargs)``
+    that no table of this GPU holds, into this machine's tuned table; see :func:`tritonmm.tune.tune_model`."""
+    from .tune import tune_model as _tune_model  # the tuner's imports (argparse, the benchmark) load on use
+
+    return _tune_model(model, *example_args, **example_kwargs)
+
 
 _distributed.install()  # DTensor sharding strategies, registered once torch.distributed.tensor is imported
 
@@ -40,6 +50,7 @@ __all__ = [
     "matmul",
     "patch_linear",
     "swap_linear",
+    "tune_model",
     "unpatch_linear",
     "unfuse",
     "unswap_linear",

@@ -152,12 +152,14 @@ def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
 
 
 def clear_cache() -> None:
-    """Forget every cached decision, runner and weight plan (e.g. after installing a new tuned table)
-    and free this thread's workspace buffers."""
+    """Forget every cached decision, runner, weight plan and tuned table read (so a new table or
+    environment variable takes effect everywhere, settled swapped layers included) and free this
+    thread's workspace buffers."""
     routes.clear()
     runners.clear_cache()
     gated.clear_cache()
-    dispatch._tuned.weight_used.cache_clear()
+    dispatch._tuned.clear()
+    dispatch.state_changed()
 
 
 __all__ = ["clear_cache", "explain", "linear", "matmul"]

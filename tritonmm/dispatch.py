@@ -55,10 +55,11 @@ TMA_COPY_MIN_FLOPS = 2 * 512**3
 """FLOP from which forced Triton copies unaligned operands for the TMA kernel (the pointer kernel below)."""
 PAD_MIN_INTENSITY = 256
 """FLOP/byte below which a GEMM is memory-bound and an operand copy costs more than it saves."""
-TRITON_MIN_SAVING_US = 5.0
-"""µs of GPU time a tuned-table Triton winner must save over cuBLAS to be used: the Triton route costs
-more host time per call than a cuBLAS call (``benchmarks/h200_model.json``, ``per_call``, row "Triton
-route"), which a host-bound loop such as decode pays in full."""
+TRITON_MIN_SAVING_US = 15.0
+"""µs of GPU time a tuned-table Triton winner must save over cuBLAS to be used: a call on the Triton route
+costs about 14 µs more host time than torch's own call (``benchmarks/h200_model.json``, ``per_call``: the
+"Triton route" row against the "matmul, no_grad" row), which a host-paced loop such as eager decode pays
+in full, so a smaller saving can only make a model slower."""
 SMALL_M = 64
 """M at or below which a GEMM is memory-bound (weight streaming): pointer or split-K kernel."""
 
@@ -166,8 +167,19 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
     if config is not None:
         validate(kernel, config)
     frozen = tuple(sorted(config.items())) if config is not None else None  # hashable: part of cache keys
+    state_changed()
     with forcing_as((backend, kernel, frozen)):
         yield
+
+
+STATE_HOOKS: list = []
+"""Callables run when a decision made earlier may no longer hold (:func:`force_backend` entered,
+:func:`tritonmm.clear_cache`): :mod:`tritonmm.nn` unsettles its settled modules."""
+
+
+def state_changed() -> None:
+    for hook in STATE_HOOKS:
+        hook()
 
 
 @contextlib.contextmanager

@@ -5,16 +5,26 @@ class whose forward calls :func:`tritonmm.linear`), so parameters stay the same 
 (weight tying survives), ``state_dict`` keys and values, hooks, device, dtype,
 ``requires_grad`` and the meta device are untouched, and ``isinstance(m, nn.Linear)``
 still holds. ``unswap_linear`` restores the original class. No weight is copied.
+
+A swapped module whose weight has a plan sending every GEMM to torch (:mod:`tritonmm.api`) is
+*settled* on its next call: its class becomes a subclass of the swapped one whose forward is
+nn.Linear's own, so its calls cost nothing over ``nn.Linear``. It goes back to the swapped class when
+its weights move or are replaced through the module (``.to()``, ``.cuda()``, ``.half()``, assigning
+``weight`` or ``bias``), on :func:`tritonmm.force_backend` and on :func:`tritonmm.clear_cache`.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from . import api as _api
+from . import dispatch, routes
+from ._env import raw_get, raw_name
 from .api import linear, linear_forward
 
 
@@ -39,10 +49,66 @@ class TritonLinear(nn.Linear):
         return f"{super().extra_repr()}, activation={self.activation!r}"
 
 
-_swapped_forward = linear_forward  # nn.Linear.forward through tritonmm
-
-
+_original_forward = nn.Linear.forward
 _swap_classes: dict[type, type] = {}
+_settled_classes: dict[type, type] = {}
+_settled: weakref.WeakSet = weakref.WeakSet()
+_plans_get = routes.plans.get
+_forced = dispatch._forced.get
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_F_linear = torch.nn.functional.linear
+_BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")
+
+
+def _swapped_forward(self, input):
+    """nn.Linear.forward through tritonmm: :func:`tritonmm.api.linear_forward`, except that a module whose
+    weight has a plan sending every GEMM to torch is settled (see the module docstring)."""
+    weight, bias = self.weight, self.bias
+    if not _is_compiling():
+        plan = _plans_get(id(weight))
+        if plan is not None and plan[0] and _forced() is None and raw_get(_BACKEND) is None \
+                and raw_get(_KERNEL) is None:
+            try:
+                if plan[1] == weight.data_ptr():
+                    if plan[0] == 2:
+                        self.__class__ = _settled_classes[type(self)]
+                        _settled.add(self)
+                        return _F_linear(input, weight, bias)
+                    if not (_grad_enabled() and (input.requires_grad or weight.requires_grad
+                                                 or bias is not None and bias.requires_grad)):
+                        return _F_linear(input, weight, bias)
+            except (AttributeError, RuntimeError):  # not a tensor, no storage
+                pass
+    return _api.linear(input, weight, bias)
+
+
+def _unsettle(module) -> None:
+    cls = type(module).__dict__.get("_tritonmm_swapped")
+    if cls is not None:
+        module.__class__ = cls
+    _settled.discard(module)
+
+
+def _unsettle_all() -> None:
+    """Every settled module back to its swapped class (tritonmm's state changed)."""
+    for module in list(_settled):
+        _unsettle(module)
+
+
+dispatch.STATE_HOOKS.append(_unsettle_all)
+
+
+def _settled_apply(self, fn, *args, **kwargs):
+    out = nn.Module._apply(self, fn, *args, **kwargs)
+    _unsettle(self)  # the weights may have a new dtype or device
+    return out
+
+
+def _settled_setattr(self, name, value):
+    if name in ("weight", "bias"):
+        _unsettle(self)
+    nn.Module.__setattr__(self, name, value)
 
 
 def _new_swapped(base: type) -> nn.Module:
@@ -57,13 +123,20 @@ def _swapped_reduce_ex(self, protocol):
 
 
 def _swapped_class(cls: type) -> type:
-    """A subclass of ``cls`` (an nn.Linear subclass) whose forward runs through tritonmm."""
+    """A subclass of ``cls`` (an nn.Linear subclass) whose forward runs through tritonmm, and its settled
+    subclass, whose forward is nn.Linear's own."""
     if cls not in _swap_classes:
-        _swap_classes[cls] = type(
+        swapped = type(
             f"TritonSwapped{cls.__name__}", (cls,),
             {"forward": _swapped_forward, "_tritonmm_base": cls, "__module__": __name__,
              "__reduce_ex__": _swapped_reduce_ex},
         )
+        _settled_classes[swapped] = type(
+            f"TritonSwapped{cls.__name__}", (swapped,),
+            {"forward": _original_forward, "_tritonmm_base": cls, "_tritonmm_swapped": swapped,
+             "__module__": __name__, "_apply": _settled_apply, "__setattr__": _settled_setattr},
+        )
+        _swap_classes[cls] = swapped
     return _swap_classes[cls]
 
 
@@ -112,11 +185,11 @@ def unswap_linear(model: nn.Module) -> nn.Module:
         base = type(module).__dict__.get("_tritonmm_base")
         if base is not None:
             module.__class__ = base
+            _settled.discard(module)
     return model
 
 
 _patch_lock = threading.Lock()
-_original_forward = nn.Linear.forward
 _forward_before_patch = None  # what nn.Linear.forward was when patch_linear() took over
 
 

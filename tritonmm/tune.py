@@ -3,6 +3,11 @@
     python -m tritonmm.tune --dtype bfloat16 --out configs/tuned/   # the public suite
     python -m tritonmm.tune --tags llama8b --layout nt               # nn.Linear weights
     python -m tritonmm.tune --redecide --min-gain 1.02 --out configs/tuned/TABLE.json   # no GPU
+    python -m tritonmm.tune --shapes my_model.json --user    # geometries saved from tritonmm.capture
+
+:func:`tune_model` records the GEMMs of one forward and backward pass of a model
+(:mod:`tritonmm.capture`) and measures those no table of this GPU and Triton release holds yet, into
+this machine's table (:func:`tuned.user_dir`).
 
 For each shape (bucketed M with M = 1 apart, exact N and K, operand layout) and dtype it times torch.matmul and
 every candidate config of each applicable kernel (persistent TMA, pointer, split-K for small M)
@@ -53,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="output file, or a directory for the default name (default: configs/tuned/)")
     p.add_argument("--merge", action="store_true", help="keep entries of an existing table that this run does not measure")
+    p.add_argument("--user", action="store_true",
+                   help="write into this machine's table (TRITONMM_TUNED_DIR, default ~/.cache/tritonmm/tuned), "
+                        "merging, and measure only problems no table of this GPU and Triton release holds")
     p.add_argument("--time-limit", type=float, default=None, help="stop measuring new shapes after this many seconds")
     p.add_argument("--min-gain", type=float, default=1.01,
                    help="a Triton kernel (or the padded path) wins a key only when torch.matmul time / its time is at "
@@ -235,26 +243,33 @@ def redecide(path: pathlib.Path, min_gain: float, min_gain_us: float) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.redecide:
-        if args.out is None or args.out.suffix != ".json":
-            print("--redecide needs --out TABLE.json", file=sys.stderr)
-            return 2
-        return redecide(args.out, args.min_gain, args.min_gain_us)
-    if not torch.cuda.is_available():
-        print("python -m tritonmm.tune measures kernels on a CUDA GPU; none is available here.", file=sys.stderr)
-        return 2
+def _work(shapes: list[dict], args) -> list[tuple]:
+    """(shape, dtype, layout) to measure: a shape row's own ``dtype`` and ``layout`` where it has them
+    (rows saved by :func:`tritonmm.capture.geometries`), else every ``--dtype`` and ``--layout``."""
+    work = []
+    for s in shapes:
+        for d in ([s["dtype"]] if "dtype" in s else args.dtype):
+            for lay in ([s["layout"]] if "layout" in s else args.layout):
+                work.append((s, DTYPES[d], lay))
+    return work
+
+
+def _unmeasured(work: list[tuple], device) -> list[tuple]:
     from . import tuned
 
-    shapes, _ = load_suite(args.shapes or default_suite(), args.tags)
-    if "float32" in args.dtype:  # as in the benchmark: float32 rows are TF32 rows (the dispatcher sends
-        torch.backends.cuda.matmul.allow_tf32 = True  # float32 to cuBLAS whenever TF32 is off)
+    return [(s, d, lay) for s, d, lay in work if not tuned.measured(device, d, s["M"], s["N"], s["K"], lay)]
+
+
+def _measure_and_write(work: list[tuple], args, path: pathlib.Path, merge: bool) -> dict:
+    """Measure ``work``, decide the entries and write (or merge into) the table at ``path``."""
+    from . import tuned
+
+    if any(d == torch.float32 for _, d, _ in work):  # as in the benchmark: float32 rows are TF32 rows (the
+        torch.backends.cuda.matmul.allow_tf32 = True  # dispatcher sends float32 to cuBLAS whenever TF32 is off)
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
     measured = []
-    work = [(s, DTYPES[d], lay) for d in args.dtype for lay in args.layout for s in shapes]
     for i, (shape, dtype, layout) in enumerate(work):
         if args.time_limit and time.time() - t0 > args.time_limit:
             print(f"time limit reached after {i} of {len(work)} shapes", file=sys.stderr)
@@ -273,9 +288,7 @@ def main(argv=None) -> int:
     entries = decide_entries(measured, args.min_gain, args.min_gain_us)
     sig = tuned.device_signature(device)
     name = torch.cuda.get_device_name(device)
-    out = args.out or tuned.tuned_dir()
-    path = out / tuned.table_name(sig, name) if out.suffix != ".json" else out
-    if args.merge and path.is_file():
+    if merge and path.is_file():
         old = tuned.read_table(path)
         if old:
             entries = {**old["entries"], **entries}
@@ -289,7 +302,69 @@ def main(argv=None) -> int:
     wins = sum(e["backend"] == "triton" for e in entries.values())
     print(f"wrote {path}: {len(entries)} entries, Triton wins {wins}, cuBLAS {len(entries) - wins}; "
           f"{time.time() - t0:.0f} s")
+    return {"table": path, "measured": len(measured), "entries": len(entries), "triton": wins}
+
+
+def _table_path(out: pathlib.Path) -> pathlib.Path:
+    from . import tuned
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    name = tuned.table_name(tuned.device_signature(device), torch.cuda.get_device_name(device))
+    return out if out.suffix == ".json" else out / name
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.redecide:
+        if args.out is None or args.out.suffix != ".json":
+            print("--redecide needs --out TABLE.json", file=sys.stderr)
+            return 2
+        return redecide(args.out, args.min_gain, args.min_gain_us)
+    if not torch.cuda.is_available():
+        print("python -m tritonmm.tune measures kernels on a CUDA GPU; none is available here.", file=sys.stderr)
+        return 2
+    from . import tuned
+
+    shapes, _ = load_suite(args.shapes or default_suite(), args.tags)
+    work = _work(shapes, args)
+    if args.user:
+        work = _unmeasured(work, torch.device("cuda", torch.cuda.current_device()))
+        print(f"{len(work)} problems not yet in a table of this GPU and Triton release", file=sys.stderr)
+    path = _table_path(args.out or (tuned.user_dir() if args.user else tuned.tuned_dir()))
+    _measure_and_write(work, args, path, merge=args.merge or args.user)
     return 0
+
+
+def tune_model(model, *example_args, **example_kwargs) -> dict:
+    """Tune every GEMM ``model(*example_args, **example_kwargs)`` runs, forward and backward, ahead of time.
+
+    Records the geometries of one pass (:func:`tritonmm.capture.geometries`; the backward through
+    ``torch.autograd.grad``, so no ``.grad`` is written), measures those that no table of this GPU
+    and Triton release holds (every candidate config of each kernel against cuBLAS, as ``python -m
+    tritonmm.tune``; seconds per geometry) and merges the winners into this machine's table
+    (:func:`tritonmm.tuned.user_dir`), which later processes read. Then clears tritonmm's caches so the
+    table takes effect. A second call with the same geometries measures nothing.
+
+    Returns:
+        dict: ``geometries`` (recorded), ``measured`` (new ones), ``table`` (its path, or None when nothing
+        was measured), ``entries`` and ``triton`` (entries of that table, and how many choose Triton).
+
+    Raises:
+        RuntimeError: no CUDA GPU (there is nothing to measure).
+    """
+    from . import api, capture, tuned
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("tritonmm.tune_model measures kernels on a CUDA GPU; none is available")
+    suite = capture.geometries(model, *example_args, **example_kwargs)
+    args = parse_args([])
+    device = torch.device("cuda", torch.cuda.current_device())
+    work = _unmeasured(_work(suite["shapes"], args), device)
+    result = {"geometries": len(suite["shapes"]), "measured": 0, "table": None, "entries": 0, "triton": 0}
+    if work:
+        result.update(_measure_and_write(work, args, _table_path(tuned.user_dir()), merge=True))
+        api.clear_cache()
+    return result
 
 
 if __name__ == "__main__":

@@ -71,6 +71,17 @@ def tuned_dir() -> pathlib.Path:
     return config_dir() / "tuned"
 
 
+def user_dir() -> pathlib.Path:
+    """Where this machine's own tables go (:func:`tritonmm.tune_model`, ``python -m tritonmm.tune --user``):
+    ``$TRITONMM_TUNED_DIR``, else ``$XDG_CACHE_HOME/tritonmm/tuned`` (default ``~/.cache/tritonmm/tuned``).
+    Its entries take precedence over the shipped tables' for the same key."""
+    env = os.environ.get("TRITONMM_TUNED_DIR")
+    if env:
+        return pathlib.Path(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(cache) / "tritonmm" / "tuned"
+
+
 def _check_entry(key, e) -> None:
     """Raise ValueError unless ``e`` is a well-formed table entry (configs are data: ints under known names)."""
     if not isinstance(e, dict) or e.get("backend") not in ("torch", "triton"):
@@ -116,19 +127,41 @@ def atomic_write_text(path: pathlib.Path, text: str) -> None:
         raise
 
 
-@functools.cache
+def _table_paths() -> list[pathlib.Path]:
+    """The shipped tables, then this machine's (:func:`user_dir`), which override them key by key."""
+    dirs = []
+    try:
+        dirs.append(tuned_dir())
+    except FileNotFoundError:  # no configs dir: no shipped table
+        pass
+    dirs.append(user_dir())
+    return [path for d in dirs if d.is_dir() for path in sorted(d.glob("*.json"))]
+
+
+_tables: dict = {}  # GPU index -> its merged entries, read once (until clear())
+
+
+def clear() -> None:
+    """Forget the tables read (a new or re-tuned table takes effect at the next decision)."""
+    _tables.clear()
+    weight_used.cache_clear()
+
+
 def _table_for(index: int) -> dict:
+    if index not in _tables:
+        _tables[index] = _read_tables(index)
+    return _tables[index]
+
+
+def _read_tables(index: int) -> dict:
     device = torch.device("cuda", index)
     try:
         sig = device_signature(device)
-        directory = tuned_dir()
-    except Exception:  # no configs dir: behave as if no table
-        return {}
-    if not directory.is_dir():
+    except Exception:  # no GPU to describe: behave as if no table
         return {}
     entries: dict = {}
     priors: dict = {}
-    for path in sorted(directory.glob("*.json")):
+    for path in _table_paths():
         data = read_table(path)
         if not data or any(data.get(k) != sig[k] for k in ("capability", "sms")):
             continue
@@ -137,6 +170,12 @@ def _table_for(index: int) -> dict:
         else:
             priors.update({k: prior_entry(e, str(data.get("triton"))) for k, e in data["entries"].items()})
     return {**priors, **entries}
+
+
+def measured(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, layout: str) -> bool:
+    """Whether a table of this GPU and Triton release (not a prior) holds this problem's own key."""
+    e = _entries(device).get(entry_key(dtype, M, N, K, layout))
+    return e is not None and "prior" not in e
 
 
 PRIOR_MIN_GAIN = 0.15

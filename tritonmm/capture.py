@@ -1,0 +1,106 @@
+"""The GEMM geometries a model runs, recorded from one forward (and backward) pass, to tune them ahead of time.
+
+:func:`geometries` runs the model once under a ``TorchDispatchMode`` and records every 2-D GEMM it
+sees (``aten.mm``, ``aten.addmm`` and tritonmm's own ops, so swapped, patched and plain models
+record alike) as the shape-suite rows that ``python -m tritonmm.tune`` measures: M, N, K, dtype and
+the operand layout ("nn": B row-major, "nt": B an ``nn.Linear`` weight read transposed). GEMMs
+whose A is transposed (the weight gradient ``grad_out.T @ x``) are counted but not listed: the tuner
+measures row-major A only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_aten = torch.ops.aten
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _b_layout(b: torch.Tensor) -> str:
+    from .layout import is_col_major
+
+    return "nt" if is_col_major(b) and b.shape[1] != 1 else "nn"
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.rows: dict = {}
+        self.skipped = 0
+
+    def _add(self, a: torch.Tensor, b: torch.Tensor, layout: str | None = None) -> None:
+        """Record ``a @ b`` for a 2-D ``b`` (A's leading dims fold into M)."""
+        if b.dim() != 2 or a.dim() < 1 or a.dtype not in _DTYPES or a.dtype != b.dtype:
+            return
+        K, N = b.shape
+        M = math.prod(a.shape[:-1])
+        if 0 in (M, N, K):
+            return
+        if a.dim() == 2 and a.stride(0) == 1 and a.shape[0] != 1 and a.stride(1) != 1:  # A transposed
+            self.skipped += 1
+            return
+        layout = layout or _b_layout(b)
+        key = (str(a.dtype).removeprefix("torch."), M, N, K, layout)
+        self.rows[key] = self.rows.get(key, 0) + 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet is _aten.mm:
+            self._add(args[0], args[1])
+        elif packet is _aten.addmm:
+            self._add(args[1], args[2])
+        elif packet is torch.ops.tritonmm.linear:
+            x, w = args[0], args[1]
+            if w.dim() == 2 and x.dim() >= 1:
+                self._add(x, w.t(), "nt")
+        elif packet is torch.ops.tritonmm.matmul:
+            self._add(args[0], args[1])
+        return func(*args, **kwargs)
+
+
+def _scalar_output(out):
+    """What the backward starts from: ``out.loss`` where the model returns one, else its first floating
+    tensor that requires grad (summed)."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    stack = [out]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad and item.is_floating_point():
+                return item.float().sum()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return None
+
+
+def geometries(model, *args, **kwargs) -> dict:
+    """The GEMM geometries of ``model(*args, **kwargs)``, forward and (where the output requires grad)
+    backward, as a shape suite for ``python -m tritonmm.tune --shapes`` (``json.dump`` it to save it).
+
+    The backward runs through ``torch.autograd.grad`` into the parameters and example inputs that
+    require grad, as ``loss.backward()`` would, but writes no ``.grad``.
+
+    Returns:
+        dict: ``{"shapes": [{"tag", "M", "N", "K", "dtype", "layout", "calls"}...], "skipped_transposed_a": n}``.
+    """
+    rec = _Recorder()
+    with rec:
+        out = model(*args, **kwargs)
+        scalar = _scalar_output(out) if torch.is_grad_enabled() else None
+        if scalar is not None:
+            params = [p for p in (model.parameters() if hasattr(model, "parameters") else ()) if p.requires_grad]
+            leaves = [t for t in (*args, *kwargs.values())  # example inputs that want a gradient get one computed
+                      if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+            if params or leaves:
+                torch.autograd.grad(scalar, params + leaves, allow_unused=True)
+    shapes = [{"tag": "model", "M": M, "N": N, "K": K, "dtype": dtype, "layout": layout, "calls": calls}
+              for (dtype, M, N, K, layout), calls in rec.rows.items()]
+    return {"shapes": shapes, "skipped_transposed_a": rec.skipped}
