@@ -359,3 +359,107 @@ def test_forward_only_plan(monkeypatch):
     assert len(keyed) == 1 and torch.equal(y, F.linear(x, w))
     z = tritonmm.linear(x, w)  # autograd: not planned
     assert len(keyed) == 2 and type(z.grad_fn).__name__ == "_LinearFunctionBackward"
+
+
+def _settled(m) -> bool:
+    return "_tritonmm_swapped" in type(m).__dict__
+
+
+def test_bound_forward_taken_before_settling_keeps_working(everything_torch):
+    """A forward bound while swapped (accelerate keeps ``module._old_forward = module.forward``) runs the
+    swapped forward on a settled module: it must not try to settle it again."""
+    lin = torch.nn.Linear(8, 4)
+    ref = F.linear
+    tritonmm.swap_linear(lin)
+    old = lin.forward
+    x = randn(3, 8)
+    for _ in range(4):
+        torch.testing.assert_close(old(x), ref(x, lin.weight, lin.bias), rtol=0, atol=0)
+    assert _settled(lin)
+
+
+def test_parametrized_after_swap_never_settles(everything_torch):
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    lin = tritonmm.swap_linear(torch.nn.Linear(8, 4))
+    parametrize.register_parametrization(lin, "weight", Double())
+    x = randn(3, 8)
+    for _ in range(50):
+        torch.testing.assert_close(lin(x), F.linear(x, lin.parametrizations.weight.original * 2, lin.bias))
+    assert not _settled(lin)
+
+
+def test_settled_subclass_keeps_its_own_apply_and_setattr(everything_torch):
+    class Fp32Bias(torch.nn.Linear):
+        seen: list = []
+
+        def _apply(self, fn, recurse=True):
+            out = super()._apply(fn, recurse)
+            self.bias.data = self.bias.data.float()
+            return out
+
+        def __setattr__(self, name, value):
+            Fp32Bias.seen.append(name)
+            super().__setattr__(name, value)
+
+    lin = tritonmm.swap_linear(Fp32Bias(8, 4))
+    x = randn(3, 8)
+    lin(x), lin(x)
+    assert _settled(lin)
+    lin.double()
+    assert lin.weight.dtype == torch.float64 and lin.bias.dtype == torch.float32 and not _settled(lin)
+    lin.float()
+    lin(x), lin(x)
+    Fp32Bias.seen.clear()
+    lin.weight = torch.nn.Parameter(randn(4, 8))
+    assert Fp32Bias.seen == ["weight"] and not _settled(lin)
+
+
+def test_nothing_settles_while_any_thread_forces(everything_torch):
+    import threading
+
+    lin = tritonmm.swap_linear(torch.nn.Linear(8, 4))
+    x = randn(3, 8)
+    with tritonmm.force_backend("torch"):
+        worker = threading.Thread(target=lambda: [lin(x) for _ in range(3)])
+        worker.start()
+        worker.join()
+        assert not _settled(lin)
+    lin(x), lin(x)
+    assert _settled(lin)
+
+
+def test_jit_trace_of_a_swapped_model_passes_its_check(everything_torch):
+    model = tritonmm.swap_linear(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
+    x = randn(5, 8)
+    traced = torch.jit.trace(model, x)  # check_trace reruns the model: both runs must take one path
+    torch.testing.assert_close(traced(x), model(x))
+    model(x), model(x)
+    torch.jit.trace(model, x)  # settled
+
+
+def test_compile_fullgraph_of_a_settled_root_layer(everything_torch):
+    lin = tritonmm.swap_linear(torch.nn.Linear(8, 4))
+    x = randn(3, 8)
+    compiled = torch.compile(lin, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), F.linear(x, lin.weight, lin.bias))
+    lin(x), lin(x)
+    assert _settled(lin)
+    torch.testing.assert_close(compiled(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_vmap_over_weights_after_a_cached_call(everything_torch):
+    from torch.func import functional_call, vmap
+
+    lin = tritonmm.swap_linear(torch.nn.Linear(8, 4))
+    x = randn(3, 8)
+    W, B = randn(5, 4, 8), randn(5, 4)
+    lin(x)  # caches the route and makes a plan
+    got = vmap(lambda w, b: functional_call(lin, {"weight": w, "bias": b}, (x,)))(W, B)
+    torch.testing.assert_close(got, torch.stack([F.linear(x, w, b) for w, b in zip(W, B)]))
+    got = vmap(lambda w: tritonmm.linear(x, w))(W)
+    torch.testing.assert_close(got, torch.stack([F.linear(x, w) for w in W]))

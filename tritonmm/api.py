@@ -25,6 +25,7 @@ from ._env import raw_get, raw_name
 _plans_get = routes.plans.get
 _forced = dispatch._forced.get
 _is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _F_linear = F.linear
 _matmul = torch.matmul
@@ -73,6 +74,8 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
         return routes.matmul_slow(input, other)
     if _planned(other, input, None):
         return _matmul(input, other)
+    if _tracing_state() is not None:  # jit tracing: every run of the trace takes the same path
+        return routes.matmul_slow(input, other)
     return routes.matmul_keyed(input, other)
 
 
@@ -100,6 +103,8 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
         return routes.linear_slow(input, weight, bias, activation)
     if activation == "none" and _planned(weight, input, bias):
         return _F_linear(input, weight, bias)
+    if _tracing_state() is not None:  # jit tracing: every run of the trace takes the same path
+        return routes.linear_slow(input, weight, bias, activation)
     return routes.linear_keyed(input, weight, bias, activation)
 
 

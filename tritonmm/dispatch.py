@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -167,9 +168,25 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
     if config is not None:
         validate(kernel, config)
     frozen = tuple(sorted(config.items())) if config is not None else None  # hashable: part of cache keys
-    state_changed()
-    with forcing_as((backend, kernel, frozen)):
-        yield
+    global _forcing_blocks
+    with _forcing_lock:
+        _forcing_blocks += 1
+    try:
+        state_changed()
+        with forcing_as((backend, kernel, frozen)):
+            yield
+    finally:
+        with _forcing_lock:
+            _forcing_blocks -= 1
+
+
+_forcing_blocks = 0  # force_backend blocks open in any thread
+_forcing_lock = threading.Lock()
+
+
+def forcing_blocks() -> int:
+    """How many :func:`force_backend` blocks are open, in all threads."""
+    return _forcing_blocks
 
 
 STATE_HOOKS: list = []

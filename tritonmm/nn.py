@@ -10,7 +10,12 @@ A swapped module whose weight has a plan sending every GEMM to torch (:mod:`trit
 *settled* on its next call: its class becomes a subclass of the swapped one whose forward is
 nn.Linear's own, so its calls cost nothing over ``nn.Linear``. It goes back to the swapped class when
 its weights move or are replaced through the module (``.to()``, ``.cuda()``, ``.half()``, assigning
-``weight`` or ``bias``), on :func:`tritonmm.force_backend` and on :func:`tritonmm.clear_cache`.
+``weight`` or ``bias``), on :func:`tritonmm.force_backend` and on :func:`tritonmm.clear_cache`. Modules
+settle in eager calls only: not while torch.compile or jit traces them, not while any thread is inside
+``force_backend``, not when a parametrization has changed their class since the swap. A module's class
+is part of torch.compile's guards, so a compiled model whose layers then settle in eager calls
+recompiles once. A weight changed in place (``weight.data = ...``) keeps a settled module on nn.Linear's
+forward: its result is right, a Triton route it might now take is missed until ``clear_cache``.
 """
 
 from __future__ import annotations
@@ -53,12 +58,25 @@ _original_forward = nn.Linear.forward
 _swap_classes: dict[type, type] = {}
 _settled_classes: dict[type, type] = {}
 _settled: weakref.WeakSet = weakref.WeakSet()
+_settled_lock = threading.Lock()
 _plans_get = routes.plans.get
 _forced = dispatch._forced.get
 _is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _F_linear = torch.nn.functional.linear
 _BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")
+
+
+def _settle(module) -> None:
+    """Give ``module`` its settled class: not for subclasses made after the swap (parametrizations), under
+    jit tracing (a trace and its check run must agree) or while any thread forces a backend."""
+    settled = _settled_classes.get(type(module))
+    if settled is None or _tracing_state() is not None or dispatch.forcing_blocks():
+        return
+    with _settled_lock:
+        object.__setattr__(module, "__class__", settled)  # (not through a subclass's __setattr__)
+        _settled.add(module)
 
 
 def _swapped_forward(self, input):
@@ -72,8 +90,7 @@ def _swapped_forward(self, input):
             try:
                 if plan[1] == weight.data_ptr():
                     if plan[0] == 2:
-                        self.__class__ = _settled_classes[type(self)]
-                        _settled.add(self)
+                        _settle(self)
                         return _F_linear(input, weight, bias)
                     if not (_grad_enabled() and (input.requires_grad or weight.requires_grad
                                                  or bias is not None and bias.requires_grad)):
@@ -83,32 +100,29 @@ def _swapped_forward(self, input):
     return _api.linear(input, weight, bias)
 
 
+def _settled_forward(self, input):
+    """A settled module's forward: nn.Linear's (defined here so that torch.compile traces it as it
+    traces the swapped forward)."""
+    return _F_linear(input, self.weight, self.bias)
+
+
 def _unsettle(module) -> None:
-    cls = type(module).__dict__.get("_tritonmm_swapped")
-    if cls is not None:
-        module.__class__ = cls
-    _settled.discard(module)
+    with _settled_lock:
+        cls = type(module).__dict__.get("_tritonmm_swapped")
+        if cls is not None:
+            object.__setattr__(module, "__class__", cls)
+        _settled.discard(module)
 
 
 def _unsettle_all() -> None:
     """Every settled module back to its swapped class (tritonmm's state changed)."""
-    for module in list(_settled):
+    with _settled_lock:
+        modules = list(_settled)
+    for module in modules:
         _unsettle(module)
 
 
 dispatch.STATE_HOOKS.append(_unsettle_all)
-
-
-def _settled_apply(self, fn, *args, **kwargs):
-    out = nn.Module._apply(self, fn, *args, **kwargs)
-    _unsettle(self)  # the weights may have a new dtype or device
-    return out
-
-
-def _settled_setattr(self, name, value):
-    if name in ("weight", "bias"):
-        _unsettle(self)
-    nn.Module.__setattr__(self, name, value)
 
 
 def _new_swapped(base: type) -> nn.Module:
@@ -131,11 +145,24 @@ def _swapped_class(cls: type) -> type:
             {"forward": _swapped_forward, "_tritonmm_base": cls, "__module__": __name__,
              "__reduce_ex__": _swapped_reduce_ex},
         )
-        _settled_classes[swapped] = type(
+        settled = _settled_classes[swapped] = type(
             f"TritonSwapped{cls.__name__}", (swapped,),
-            {"forward": _original_forward, "_tritonmm_base": cls, "_tritonmm_swapped": swapped,
-             "__module__": __name__, "_apply": _settled_apply, "__setattr__": _settled_setattr},
+            {"forward": _settled_forward, "_tritonmm_base": cls, "_tritonmm_swapped": swapped,
+             "__module__": __name__},
         )
+
+        def _apply(self, fn, *args, **kwargs):
+            out = super(settled, self)._apply(fn, *args, **kwargs)
+            _unsettle(self)  # the weights may have a new dtype or device
+            return out
+
+        def __setattr__(self, name, value):
+            if name in ("weight", "bias") and type(self) is settled:
+                _unsettle(self)
+                return type(self).__setattr__(self, name, value)  # the swapped class's (a subclass's own)
+            super(settled, self).__setattr__(name, value)
+
+        settled._apply, settled.__setattr__ = _apply, __setattr__
         _swap_classes[cls] = swapped
     return _swap_classes[cls]
 

@@ -262,8 +262,9 @@ def plan(weight: Tensor, N: int, K: int) -> None:
     forced), for plain tensors."""
     if _forced() is not None or raw_get(_BACKEND) is not None or raw_get(_KERNEL) is not None:
         return
-    if type(weight) not in _PLAIN or not modes.plain(weight):
-        return
+    if type(weight) not in _PLAIN or not modes.plain(weight) or modes.torch_only(weight) \
+            or _tracing_state() is not None:
+        return  # (functorch's batched tensors are plain tensors without storage; a jit trace makes none)
     ptr, shape = weight.data_ptr(), weight.shape
     current = plans.get(id(weight))
     if current is not None and current[1] == ptr and current[2] == shape:
