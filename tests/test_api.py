@@ -463,3 +463,25 @@ def test_vmap_over_weights_after_a_cached_call(everything_torch):
     torch.testing.assert_close(got, torch.stack([F.linear(x, w, b) for w, b in zip(W, B)]))
     got = vmap(lambda w: tritonmm.linear(x, w))(W)
     torch.testing.assert_close(got, torch.stack([F.linear(x, w) for w in W]))
+
+
+@pytest.mark.parametrize("settle", [False, True])
+def test_fx_symbolic_trace_of_swapped_layers(settle, monkeypatch):
+    """torch.fx records a swapped layer as tritonmm's op (a settled one as F.linear); the traced module
+    computes what the model does."""
+    if settle:
+        monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: True)
+        monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device: True)
+    model = tritonmm.swap_linear(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
+    x = randn(3, 8)
+    if settle:
+        model(x), model(x)
+        assert _settled(model[0])
+    gm = torch.fx.symbolic_trace(model)
+    ops = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert ops == ({F.linear} if settle else {torch.ops.tritonmm.linear})
+    torch.testing.assert_close(gm(x), model(x))
+    a = randn(3, 8)
+    gm = torch.fx.symbolic_trace(lambda a, b: tritonmm.matmul(a, b))
+    b = randn(8, 5)
+    torch.testing.assert_close(gm(a, b), a @ b)

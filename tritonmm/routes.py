@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx import Proxy as _Proxy
 
 from . import dispatch, grads, modes, runners, shapes
 from ._env import raw_get, raw_name
@@ -93,8 +94,15 @@ def _needs_grad(*tensors) -> bool:
     return any(t is not None and t.requires_grad for t in tensors)
 
 
+def _fx_proxy(*args) -> bool:
+    """Whether torch.fx's symbolic tracer is passing Proxies: the op is then recorded in its graph."""
+    return any(isinstance(t, _Proxy) for t in args)
+
+
 def matmul_slow(a: Tensor, b: Tensor) -> Tensor:
     """Every mode: torch itself, the op, the autograd Function or the runner."""
+    if _fx_proxy(a, b):
+        return torch.ops.tritonmm.matmul(a, b)
     _require_tensor("input", a, "matmul")
     _require_tensor("other", b, "matmul")
     if modes.torch_only(a, b):
@@ -112,6 +120,8 @@ def matmul_slow(a: Tensor, b: Tensor) -> Tensor:
 
 def linear_slow(x: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
     """As :func:`_matmul_slow`, for linear."""
+    if _fx_proxy(x, weight, bias):
+        return torch.ops.tritonmm.linear(x, weight, bias, activation)
     _require_tensor("input", x, "linear")
     _require_tensor("weight", weight, "linear")
     if bias is not None:
@@ -286,6 +296,8 @@ def matmul_keyed(input: Tensor, other: Tensor) -> Tensor:
         return matmul_slow(input, other)
     fn = _cache.get(key)
     if fn is None:
+        if _fx_proxy(input, other):
+            return matmul_slow(input, other)
         _require_tensor("input", input, "matmul")
         _require_tensor("other", other, "matmul")
         if modes.torch_only(input, other) or not modes.plain(input, other):
@@ -307,6 +319,8 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
         return linear_slow(input, weight, bias, activation)
     fn = _cache.get(key)
     if fn is None:
+        if _fx_proxy(input, weight, bias):
+            return linear_slow(input, weight, bias, activation)
         _require_tensor("input", input, "linear")
         _require_tensor("weight", weight, "linear")
         if bias is not None:
