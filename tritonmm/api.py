@@ -109,9 +109,10 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
 
 
 def linear_forward(self, input: Tensor) -> Tensor:
-    """``nn.Linear.forward`` through tritonmm (the forward of swapped and patched modules).
+    """``nn.Linear.forward`` through tritonmm (the forward of patched modules; swapped ones run
+    :func:`tritonmm.nn._swapped_forward`, the same path plus settling).
 
-    :func:`_planned` written out: this is the per-call path of every swapped layer."""
+    :func:`_planned` written out: this is the per-call path of every patched layer."""
     weight, bias = self.weight, self.bias
     if not _is_compiling():
         plan = _plans_get(id(weight))

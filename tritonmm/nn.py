@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from . import api as _api
-from . import dispatch, routes
-from ._env import raw_get, raw_name
-from .api import linear, linear_forward
+from . import dispatch
+from ._env import raw_get
+from .api import (_BACKEND, _KERNEL, _F_linear, _forced, _grad_enabled, _is_compiling, _plans_get,  # the fast
+                  _tracing_state, linear, linear_forward)  # path's bound callables, shared with the patched forward
 
 
 class TritonLinear(nn.Linear):
@@ -59,13 +60,6 @@ _swap_classes: dict[type, type] = {}
 _settled_classes: dict[type, type] = {}
 _settled: weakref.WeakSet = weakref.WeakSet()
 _settled_lock = threading.Lock()
-_plans_get = routes.plans.get
-_forced = dispatch._forced.get
-_is_compiling = torch.compiler.is_compiling
-_tracing_state = torch._C._get_tracing_state
-_grad_enabled = torch.is_grad_enabled
-_F_linear = torch.nn.functional.linear
-_BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")
 
 
 def _settle(module) -> None:
