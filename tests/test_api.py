@@ -237,14 +237,14 @@ def test_weight_plan_skips_the_key(everything_torch, monkeypatch):
     for _ in range(3):
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
         tritonmm.linear(x, lin.weight)
-    assert len(keyed) == 1 and "_tritonmm_swapped" in type(lin).__dict__  # settled
+    assert len(keyed) == 1 and "_tritonmm_unsettled" in type(lin).__dict__  # settled
     lin.weight.data = randn(8, 16)  # new storage
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
     tritonmm.linear(x, lin.weight)  # the functional call checks the storage: the plan is stale
     assert len(keyed) == 2
     with tritonmm.force_backend("torch"):
         lin(x)  # forcing unsettles the layer and bypasses plans
-    assert len(keyed) == 3 and "_tritonmm_swapped" not in type(lin).__dict__
+    assert len(keyed) == 3 and "_tritonmm_unsettled" not in type(lin).__dict__
     tritonmm.clear_cache()
     assert not routes.plans
 
@@ -268,7 +268,7 @@ def test_settled_layer_costs_nothing_and_unsettles(everything_torch, monkeypatch
     tritonmm.swap_linear(model)
     for _ in range(2):
         model(x)
-    settled = lambda m: "_tritonmm_swapped" in type(m).__dict__  # noqa: E731
+    settled = lambda m: "_tritonmm_unsettled" in type(m).__dict__  # noqa: E731
     assert settled(model[0]) and settled(model[2]) and isinstance(model[0], torch.nn.Linear)
     before = len(looked)
     for _ in range(3):
@@ -302,7 +302,7 @@ def test_settled_layer_under_compile(everything_torch):
     model = tritonmm.swap_linear(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.GELU()))
     x = randn(4, 16)
     model(x), model(x)
-    assert "_tritonmm_swapped" in type(model[0]).__dict__
+    assert "_tritonmm_unsettled" in type(model[0]).__dict__
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)
 
@@ -362,7 +362,7 @@ def test_forward_only_plan(monkeypatch):
 
 
 def _settled(m) -> bool:
-    return "_tritonmm_swapped" in type(m).__dict__
+    return "_tritonmm_unsettled" in type(m).__dict__
 
 
 def test_bound_forward_taken_before_settling_keeps_working(everything_torch):

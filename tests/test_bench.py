@@ -156,13 +156,68 @@ def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
     phases = {r["phase"] for r in data["phases"]}
     assert {"eager prefill 1 x 16", "eager decode 1 seq x 4 tokens"} <= phases
     for r in data["phases"]:
-        assert r["off_ms"] > 0 and r["swap_ratio"] > 0 and r["patch_ratio"] > 0
+        assert r["off_ms"] > 0 and r["swap_ratio"] > 0 and r["patch_ratio"] > 0 and r["control_ratio"] > 0
     rows = {r["row"] for r in data["per_call"]}
     assert {"nn.Linear, no_grad", "F.linear, grad", "matmul, grad"} <= rows
     assert all(r["torch_us"] > 0 and r["tritonmm_us"] > 0 for r in data["per_call"])
     capsys.readouterr()
     assert bench.main(["--from-json", str(out), "--markdown"]) == 0
     assert "| tiny | eager prefill 1 x 16 |" in capsys.readouterr().out
+
+
+def test_alternate_times_each_sample_warm_with_the_collector_paused_and_an_a_a_control(monkeypatch):
+    """Each timed sample follows one untimed call of its own mode, runs with gc paused, and ``off`` gets a
+    second contender (``control``) running the same calls."""
+    import gc
+
+    import torch
+
+    from tritonmm.bench import model
+
+    log = []
+
+    def run(name):
+        def fn():
+            log.append((name, gc.isenabled()))
+        return fn
+
+    entered = []
+
+    def ctx(name):
+        import contextlib
+
+        @contextlib.contextmanager
+        def c():
+            entered.append(name)
+            yield
+        return c
+
+    runs = {"off": (ctx("off"), run("off")), "swap": (ctx("swap"), run("swap"))}
+    monkeypatch.setattr(model, "SAMPLE_MS", 0.0)  # samples of exactly ``iters`` calls
+    assert gc.isenabled()
+    times = model.alternate(runs, torch.device("cpu"), rounds=3, iters=2, warmup=1)
+    assert gc.isenabled()
+    assert set(times) == {"off", "swap", "control"} and all(len(v) == 3 for v in times.values())
+    timed = log[len(log) - 3 * 3 * 3:]  # per round and mode: one warm call, then iters = 2 timed calls
+    assert all(not enabled for _, enabled in timed)
+    by_sample = [timed[i:i + 3] for i in range(0, len(timed), 3)]
+    assert all(len({n for n, _ in sample}) == 1 for sample in by_sample)  # warm call and sample: one mode
+    assert [s[0][0] for s in by_sample[:3]] == ["off", "swap", "off"]  # control runs off's calls
+    assert [s[0][0] for s in by_sample[3:6]] == ["off", "swap", "off"][::-1]
+
+
+def test_a_position_effect_within_rounds_cancels_in_the_ratio():
+    """Two identical contenders, the first in a round 10% faster: consecutive rounds swap the order, so
+    the paired ratio reads 1.0 where a median of per-round ratios would read the majority's order."""
+    from tritonmm.bench import model
+
+    off = [1.0, 1.1] * 7 + [1.0]
+    again = [1.1, 1.0] * 7 + [1.1]
+    row = model._row("phase", "cfg", {"off": off, "control": again})
+    assert row["control_ratio"] == pytest.approx(1.0) and row["rounds_ms"]["off"] == off
+    assert row["off_ms"] == pytest.approx(1.0) and row["control_ms"] == pytest.approx(1.1)
+    faster = model._row("phase", "cfg", {"off": off, "swap": [t / 1.05 for t in off]})
+    assert faster["swap_ratio"] == pytest.approx(1.05)
 
 
 def test_mlp_benchmark_without_a_gpu_and_its_json(tmp_path, capsys):

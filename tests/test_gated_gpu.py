@@ -100,3 +100,28 @@ def test_fused_llama_mlp_eager_compiled_and_graphed():
             out = fused(static)
         graph.replay()
         torch.testing.assert_close(out, want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("M", [1, 16, 512, 16384])
+def test_fused_sequential_linear_activation_over_m(M, monkeypatch):
+    """fuse on Sequential(Linear, GELU, Linear, SiLU): automatic dispatch and the forced Triton kernel (the
+    activation in its epilogue) against the unfused modules in float64, with gradients."""
+    monkeypatch.setenv("TRITONMM_AUTOTUNE", "0")
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(2048, 5632), torch.nn.GELU(), torch.nn.Linear(5632, 2048),
+                              torch.nn.SiLU()).cuda()
+    ref = copy.deepcopy(seq).double()
+    fused = tritonmm.fuse(copy.deepcopy(seq).to(BF16))
+    x = randn(M, 2048, device="cuda")
+    want = ref(x.double())
+    for forced in (False, True):
+        xb = x.to(BF16).requires_grad_()
+        with tritonmm.force_backend("triton") if forced else torch.enable_grad():
+            out = fused(xb)
+        assert out.dtype == BF16 and not out.isnan().any()
+        torch.testing.assert_close(out.double(), want, rtol=3e-2, atol=3e-2)
+        out.float().sum().backward()
+        assert xb.grad is not None and not xb.grad.isnan().any()
+    xd = x.double().requires_grad_()
+    ref(xd).sum().backward()
+    torch.testing.assert_close(xb.grad.double(), xd.grad, rtol=5e-2, atol=5e-2)

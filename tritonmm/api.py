@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import dispatch, gated, modes, routes, runners
+from . import activations, dispatch, gated, modes, routes, runners
 from ._env import raw_get, raw_name
 
 _plans_get = routes.plans.get
@@ -29,23 +29,9 @@ _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _F_linear = F.linear
 _matmul = torch.matmul
+_activation = activations.apply
+_EPILOGUES = frozenset(activations.ACTIVATIONS)
 _BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")
-
-
-def _planned(weight, x, bias) -> bool:
-    """Whether ``weight`` has a current plan sending this call's GEMMs to torch, in the default state
-    (nothing forced). See :func:`tritonmm.routes.plan`."""
-    plan = _plans_get(id(weight))
-    if plan is None or not plan[0] or _forced() is not None or raw_get(_BACKEND) is not None \
-            or raw_get(_KERNEL) is not None:
-        return False
-    try:
-        if plan[1] != weight.data_ptr():
-            return False
-        return plan[0] == 2 or not (_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                         or bias is not None and bias.requires_grad))
-    except (AttributeError, RuntimeError):  # not a tensor, no storage
-        return False
 
 
 def matmul(input: Tensor, other: Tensor) -> Tensor:
@@ -72,8 +58,14 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
     """
     if _is_compiling():
         return routes.matmul_slow(input, other)
-    if _planned(other, input, None):
-        return _matmul(input, other)
+    plan = _plans_get(id(other))  # the weight plan (module docstring), checked inline
+    if plan is not None and plan[0] and _forced() is None and raw_get(_BACKEND) is None and raw_get(_KERNEL) is None:
+        try:
+            if plan[1] == other.data_ptr() and (
+                    plan[0] == 2 or not (_grad_enabled() and (input.requires_grad or other.requires_grad))):
+                return _matmul(input, other)
+        except (AttributeError, RuntimeError):  # not a tensor, no storage
+            pass
     if _tracing_state() is not None:  # jit tracing: every run of the trace takes the same path
         return routes.matmul_slow(input, other)
     return routes.matmul_keyed(input, other)
@@ -101,8 +93,18 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     """
     if _is_compiling():
         return routes.linear_slow(input, weight, bias, activation)
-    if activation == "none" and _planned(weight, input, bias):
-        return _F_linear(input, weight, bias)
+    plan = _plans_get(id(weight))  # the weight plan (module docstring), checked inline
+    if plan is not None and plan[0] and _forced() is None and raw_get(_BACKEND) is None and raw_get(_KERNEL) is None:
+        try:
+            if plan[1] == weight.data_ptr() and (
+                    plan[0] == 2 or not (_grad_enabled() and (input.requires_grad or weight.requires_grad
+                                                              or bias is not None and bias.requires_grad))):
+                if activation == "none":
+                    return _F_linear(input, weight, bias)
+                if activation in _EPILOGUES:  # as the activation module after F.linear computes it
+                    return _activation(_F_linear(input, weight, bias), activation)
+        except (AttributeError, RuntimeError):  # not a tensor, no storage
+            pass
     if _tracing_state() is not None:  # jit tracing: every run of the trace takes the same path
         return routes.linear_slow(input, weight, bias, activation)
     return routes.linear_keyed(input, weight, bias, activation)
@@ -112,7 +114,7 @@ def linear_forward(self, input: Tensor) -> Tensor:
     """``nn.Linear.forward`` through tritonmm (the forward of patched modules; swapped ones run
     :func:`tritonmm.nn._swapped_forward`, the same path plus settling).
 
-    :func:`_planned` written out: this is the per-call path of every patched layer."""
+    The weight plan is checked inline, as in :func:`linear`: this is the per-call path of every patched layer."""
     weight, bias = self.weight, self.bias
     if not _is_compiling():
         plan = _plans_get(id(weight))

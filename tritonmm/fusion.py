@@ -1,17 +1,28 @@
-"""``fuse`` / ``unfuse``: gated MLPs (Llama, Mistral, Qwen2, Gemma) run gate and up as one GEMM.
+"""``fuse`` / ``unfuse``: module patterns that run as fewer, fused GEMMs.
 
-An MLP module qualifies when its forward is transformers' Llama-family forward,
-``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (compared as bytecode, so copies of it in other
-model files and user classes written the same way qualify), its three projections are nn.Linear
-modules running nn.Linear's forward (or tritonmm's swapped one), and ``act_fn`` is a known
-activation (SiLU, GELU, tanh-GELU, ReLU; torch's or transformers' modules). Like
-:func:`tritonmm.swap_linear`, ``fuse`` changes the module's class in place to a subclass, so
-parameters, ``state_dict``, hooks, tied weights and ``isinstance`` are untouched. At call time the
-fused forward runs :func:`tritonmm.gated_linear` on the gate and up weights where they are, then
-``down_proj`` as a module, for calls of up to :data:`tritonmm.gated.GATED_MAX_M` rows (decode);
-larger calls, and calls where a forward or backward hook is registered on ``gate_proj``, ``up_proj``
-or ``act_fn`` (or globally), an instance's ``forward`` is replaced (accelerate's hooks do that) or a
-projection is no longer such a Linear, run the recognised forward itself.
+* **Gated MLPs** (Llama, Mistral, Qwen2, Gemma) run gate and up as one GEMM. An MLP module qualifies
+  when its forward is transformers' Llama-family forward, ``down_proj(act_fn(gate_proj(x)) *
+  up_proj(x))`` (compared as bytecode, so copies of it in other model files and user classes written
+  the same way qualify), its three projections are nn.Linear modules running nn.Linear's forward (or
+  tritonmm's swapped one), and ``act_fn`` is a known activation (SiLU, GELU, tanh-GELU, ReLU; torch's
+  or transformers' modules). At call time the fused forward runs :func:`tritonmm.gated_linear` on the
+  gate and up weights where they are, then ``down_proj`` as a module, for calls of up to
+  :data:`tritonmm.gated.GATED_MAX_M` rows (decode); larger calls run the recognised forward itself.
+* **Linear + activation** in an ``nn.Sequential`` (a Linear as above directly followed by a known
+  activation module) run as one :func:`tritonmm.linear` call with the activation in the GEMM's
+  epilogue, any number of rows; the Sequential's other modules run as they are. Where every such
+  pair's weight goes to cuBLAS in all its GEMMs, the Sequential settles after one call into
+  nn.Sequential's own forward, as swapped layers do (:mod:`tritonmm.nn`); it comes back on ``.to()``,
+  on assigning a module to it (``seq[i] = m``), ``force_backend`` and ``clear_cache``. Modules added
+  through ``append``, ``insert`` or ``del`` to a settled Sequential run unfused until one of those.
+
+Like :func:`tritonmm.swap_linear`, ``fuse`` changes the module's class in place to a subclass, so
+parameters, ``state_dict``, hooks, tied weights and ``isinstance`` are untouched. Calls where a forward
+or backward hook is registered on a module the fusion would skip (``gate_proj``, ``up_proj``,
+``act_fn``; the Linear and its activation) or globally, or an instance's ``forward`` is replaced
+(accelerate's hooks do that), modules that are no longer such Linears or activations (a class whose
+``forward`` or ``__call__`` was replaced), and weights or biases of a tensor subclass run as the unfused
+modules.
 """
 
 from __future__ import annotations
@@ -24,8 +35,10 @@ from torch import nn
 from torch.fx import Proxy as _Proxy
 from torch.nn.modules import module as _module
 
+from ._env import raw_get
+from .api import _BACKEND, _KERNEL, _forced, _plans_get, linear
 from .gated import GATED_MAX_M, gated_linear
-from .nn import _runs_linear_forward
+from .nn import _original_forward, _patched_forward, settle, settled_class
 
 
 def _llama_mlp_forward(self, x):  # transformers' LlamaMLP.forward, verbatim: the form fuse recognizes
@@ -46,11 +59,11 @@ _FORMS = {_code_form(_llama_mlp_forward), _code_form(_llama_mlp_forward_return)}
 
 
 _SIMPLE = {nn.SiLU: "silu", nn.ReLU: "relu"}
+_FORWARDS = {t: t.forward for t in (nn.SiLU, nn.ReLU, nn.GELU)}  # an activation's forward when first seen
+_MODULE_CALL = nn.Module.__call__
 
 
-def activation_name(act) -> Optional[str]:
-    """The epilogue name of an activation module, or None when the gated kernel cannot apply it."""
-    t = type(act)
+def _activation_kind(act, t) -> Optional[str]:
     simple = _SIMPLE.get(t)
     if simple is not None:
         return simple
@@ -69,13 +82,37 @@ def activation_name(act) -> Optional[str]:
     return None
 
 
+def activation_name(act) -> Optional[str]:
+    """The epilogue name of an activation module, or None when the fused kernels cannot apply it (an
+    unknown module, or a known class whose ``forward`` or ``__call__`` was replaced since first seen)."""
+    t = type(act)
+    name = _activation_kind(act, t)
+    if name is None or t.forward is not _FORWARDS.setdefault(t, t.forward) or t.__call__ is not _MODULE_CALL:
+        return None
+    return name
+
+
 def _plain_linear(m) -> bool:
-    return isinstance(m, nn.Linear) and _runs_linear_forward(m) or "_tritonmm_base" in type(m).__dict__
+    """An nn.Linear running torch's forward (as torch defines it, or tritonmm's patched or swapped one),
+    called as modules are called."""
+    t = type(m)
+    if not isinstance(m, nn.Linear) or t.__call__ is not _MODULE_CALL or t._call_impl is not nn.Module._call_impl:
+        return False
+    return t.forward in (_original_forward, _patched_forward) or "_tritonmm_base" in t.__dict__
 
 
-def fusable(module: nn.Module) -> bool:
-    """Whether :func:`fuse` would fuse ``module`` (see the module docstring)."""
-    if _code_form(type(module).forward) not in _FORMS or "_tritonmm_fused_base" in type(module).__dict__:
+_PLAIN_PARAMS = (nn.Parameter, torch.Tensor)
+
+
+def _plain_params(weight, bias) -> bool:
+    """Parameters the fused calls may read: plain tensors (a subclass with its own F.linear keeps it)."""
+    t = type(weight)
+    return (t is _PLAIN_PARAMS[0] or t is _PLAIN_PARAMS[1]) and (
+        bias is None or type(bias) is _PLAIN_PARAMS[0] or type(bias) is _PLAIN_PARAMS[1])
+
+
+def _gated_mlp(module: nn.Module) -> bool:
+    if _code_form(type(module).forward) not in _FORMS:
         return False
     gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
     if not all(_plain_linear(m) for m in (gate, up, down)):
@@ -84,14 +121,45 @@ def fusable(module: nn.Module) -> bool:
         and activation_name(getattr(module, "act_fn", None)) is not None
 
 
+def _linear_activation_pairs(module: nn.Module) -> bool:
+    if type(module).forward is not nn.Sequential.forward:
+        return False
+    children = list(module._modules.values())
+    return any(_plain_linear(m) and activation_name(a) is not None for m, a in zip(children, children[1:]))
+
+
+def fusable(module: nn.Module) -> bool:
+    """Whether :func:`fuse` would fuse ``module`` (see the module docstring)."""
+    if "_tritonmm_fused_base" in type(module).__dict__:
+        return False
+    return _gated_mlp(module) or _linear_activation_pairs(module)
+
+
 _is_compiling = torch.compiler.is_compiling
-_linear_types: dict = {}  # type -> whether its instances run nn.Linear's forward (or tritonmm's swapped one)
+_linear_types: dict = {}  # type -> (whether _plain_linear holds for its instances, the type's forward then)
+
+
+def _linear_type(m) -> bool:
+    """:func:`_plain_linear`, remembered by type (again where the type's forward has changed since)."""
+    t = type(m)
+    hit = _linear_types.get(t)
+    forward = t.forward
+    if hit is None or hit[1] is not forward:
+        if len(_linear_types) >= 1024:  # (parametrizations make a class per module)
+            _linear_types.clear()
+        hit = _linear_types[t] = (_plain_linear(m), forward)
+    return hit[0]
 
 
 def _hooked(m) -> bool:
     """Forward or backward hooks, or a forward set on the instance (as accelerate's hooks do)."""
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                 or "forward" in m.__dict__)
+
+
+def _global_hooks() -> bool:
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+                or _module._global_backward_pre_hooks)
 
 
 def _fused_forward(self, x):
@@ -105,17 +173,59 @@ def _fused_forward(self, x):
     gate, up, act = self.gate_proj, self.up_proj, self.act_fn
     if small:  # larger calls: the module's own forward (cuBLAS)
         name = activation_name(act)
-        gt, ut = type(gate), type(up)
-        if gt not in _linear_types:
-            _linear_types[gt] = _plain_linear(gate)
-        if ut not in _linear_types:
-            _linear_types[ut] = _plain_linear(up)
-        if name is not None and _linear_types[gt] and _linear_types[ut] and not (
-                _hooked(gate) or _hooked(up) or _hooked(act) or _module._global_forward_hooks
-                or _module._global_forward_pre_hooks or _module._global_backward_hooks
-                or _module._global_backward_pre_hooks):
-            return self.down_proj(gated_linear(x, gate.weight, up.weight, gate.bias, up.bias, name))
+        if name is not None and _linear_type(gate) and _linear_type(up) and not (
+                _hooked(gate) or _hooked(up) or _hooked(act) or _global_hooks()):
+            wg, wu, bg, bu = gate.weight, up.weight, gate.bias, up.bias
+            if _plain_params(wg, bg) and _plain_params(wu, bu):
+                return self.down_proj(gated_linear(x, wg, wu, bg, bu, name))
     return self.down_proj(act(gate(x)) * up(x))  # the recognised forward, written out
+
+
+def _settles(weight) -> bool:
+    """Whether ``weight`` has a current plan sending every GEMM to torch, in the default state."""
+    plan = _plans_get(id(weight))
+    try:
+        return plan is not None and plan[0] == 2 and plan[1] == weight.data_ptr() and _forced() is None \
+            and raw_get(_BACKEND) is None and raw_get(_KERNEL) is None
+    except (AttributeError, RuntimeError):  # not a tensor, no storage
+        return False
+
+
+def _fused_sequential_forward(self, input):
+    """nn.Sequential's forward, with each plain Linear directly followed by a known activation module run
+    as one :func:`tritonmm.linear` call with that activation in its epilogue. Where every fused pair's
+    weight is planned to torch (cuBLAS and the activation: nothing left to fuse), the module settles
+    into :func:`_settled_sequential_forward` (see :mod:`tritonmm.nn`)."""
+    children = list(self._modules.values())
+    n, i, fused = len(children), 0, 0
+    pairs = n > 1 and not _global_hooks()
+    settles = pairs and not _is_compiling()
+    while i < n:
+        m = children[i]
+        if pairs and i + 1 < n:
+            act = children[i + 1]
+            name = activation_name(act)
+            if name is not None and _linear_type(m) and not (_hooked(m) or _hooked(act)):
+                weight, bias = m.weight, m.bias
+                if _plain_params(weight, bias):
+                    input = linear(input, weight, bias, name)
+                    settles = settles and _settles(weight)
+                    fused += 1
+                    i += 2
+                    continue
+        input = m(input)
+        i += 1
+    if settles and fused:
+        settle(self)
+    return input
+
+
+def _settled_sequential_forward(self, input):
+    """A settled fused Sequential's forward: nn.Sequential's (defined here so that torch.compile traces it
+    as it traces the fused forward)."""
+    for module in self:
+        input = module(input)
+    return input
 
 
 _fused_classes: dict[type, type] = {}
@@ -133,21 +243,26 @@ def _fused_reduce_ex(self, protocol):
 
 def _fused_class(cls: type) -> type:
     if cls not in _fused_classes:
-        _fused_classes[cls] = type(f"TritonFused{cls.__name__}", (cls,),
-                                   {"forward": _fused_forward, "_tritonmm_fused_base": cls, "__module__": __name__,
-                                    "__reduce_ex__": _fused_reduce_ex})
+        sequential = cls.forward is nn.Sequential.forward
+        fused = _fused_classes[cls] = type(
+            f"TritonFused{cls.__name__}", (cls,),
+            {"forward": _fused_sequential_forward if sequential else _fused_forward, "_tritonmm_fused_base": cls,
+             "__module__": __name__, "__reduce_ex__": _fused_reduce_ex})
+        if sequential:  # any module assigned to it may make or break a pair
+            settled_class(fused, _settled_sequential_forward, lambda name, value: isinstance(value, nn.Module))
     return _fused_classes[cls]
 
 
 def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
-    """Run the gate and up projections of every gated MLP in ``model`` as one GEMM, in place.
+    """Fuse, in place, every gated MLP of ``model`` (gate and up as one GEMM) and every Linear directly
+    followed by a known activation module in an ``nn.Sequential`` (the activation in the GEMM's epilogue).
 
     Args:
         model: any module tree (the root included).
-        filter_fn: ``(module, fully_qualified_name) -> bool``, asked for each MLP that qualifies
-            (:func:`fusable`); default: all of them.
+        filter_fn: ``(module, fully_qualified_name) -> bool``, asked for each MLP or Sequential that
+            qualifies (:func:`fusable`); default: all of them.
 
-    The projections stay nn.Linear modules: :func:`tritonmm.swap_linear` may route ``down_proj``
+    The Linears stay nn.Linear modules: :func:`tritonmm.swap_linear` may route ``down_proj``
     (and unfused layers) through tritonmm as well. Fused models pickle and deep-copy as fused models.
 
     Returns:

@@ -16,6 +16,7 @@ settle in eager calls only: not while torch.compile or jit traces them, not whil
 is part of torch.compile's guards, so a compiled model whose layers then settle in eager calls
 recompiles once. A weight changed in place (``weight.data = ...``) keeps a settled module on nn.Linear's
 forward: its result is right, a Triton route it might now take is missed until ``clear_cache``.
+:func:`settled_class` and :func:`settle` serve fused Sequentials (:mod:`tritonmm.fusion`) the same way.
 """
 
 from __future__ import annotations
@@ -62,15 +63,45 @@ _settled: weakref.WeakSet = weakref.WeakSet()
 _settled_lock = threading.Lock()
 
 
-def _settle(module) -> None:
-    """Give ``module`` its settled class: not for subclasses made after the swap (parametrizations), under
-    jit tracing (a trace and its check run must agree) or while any thread forces a backend."""
+def settle(module) -> None:
+    """Give ``module`` its settled class (:func:`settled_class`): not for classes made after the swap or the
+    fusion (parametrizations), under jit tracing (a trace and its check run must agree) or while any
+    thread forces a backend."""
     settled = _settled_classes.get(type(module))
     if settled is None or _tracing_state() is not None or dispatch.forcing_blocks():
         return
     with _settled_lock:
         object.__setattr__(module, "__class__", settled)  # (not through a subclass's __setattr__)
         _settled.add(module)
+
+
+def settled_class(unsettled: type, forward, unsettles: Callable[[str, object], bool]) -> type:
+    """The settled subclass of ``unsettled`` (a swapped or fused class), whose forward is ``forward``: its
+    instances go back to ``unsettled`` when their tensors move (``_apply``: ``.to()``, ``.cuda()``,
+    ``.half()``), when ``unsettles(name, value)`` says so for an attribute assigned, and on
+    :func:`dispatch.state_changed`. The class's own ``_apply`` and ``__setattr__`` run as well."""
+    marks = {k: v for k, v in unsettled.__dict__.items() if k.startswith("_tritonmm_")}  # e.g. the base class
+    settled = _settled_classes[unsettled] = type(
+        unsettled.__name__, (unsettled,),
+        {**marks, "forward": forward, "_tritonmm_unsettled": unsettled, "__module__": unsettled.__module__})
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super(settled, self)._apply(fn, *args, **kwargs)
+        _unsettle(self)  # the weights may have a new dtype or device
+        return out
+
+    def __setattr__(self, name, value):
+        if type(self) is settled and unsettles(name, value):
+            _unsettle(self)
+            return type(self).__setattr__(self, name, value)  # the unsettled class's (a subclass's own)
+        super(settled, self).__setattr__(name, value)
+
+    def __init__(self, *args, **kwargs):  # a settled class called (Sequential slicing builds type(self)(...))
+        super(settled, self).__init__(*args, **kwargs)
+        object.__setattr__(self, "__class__", unsettled)  # makes an unsettled module
+
+    settled._apply, settled.__setattr__, settled.__init__ = _apply, __setattr__, __init__
+    return settled
 
 
 def _swapped_forward(self, input):
@@ -84,7 +115,7 @@ def _swapped_forward(self, input):
             try:
                 if plan[1] == weight.data_ptr():
                     if plan[0] == 2:
-                        _settle(self)
+                        settle(self)
                         return _F_linear(input, weight, bias)
                     if not (_grad_enabled() and (input.requires_grad or weight.requires_grad
                                                  or bias is not None and bias.requires_grad)):
@@ -102,7 +133,7 @@ def _settled_forward(self, input):
 
 def _unsettle(module) -> None:
     with _settled_lock:
-        cls = type(module).__dict__.get("_tritonmm_swapped")
+        cls = type(module).__dict__.get("_tritonmm_unsettled")
         if cls is not None:
             object.__setattr__(module, "__class__", cls)
         _settled.discard(module)
@@ -139,24 +170,7 @@ def _swapped_class(cls: type) -> type:
             {"forward": _swapped_forward, "_tritonmm_base": cls, "__module__": __name__,
              "__reduce_ex__": _swapped_reduce_ex},
         )
-        settled = _settled_classes[swapped] = type(
-            f"TritonSwapped{cls.__name__}", (swapped,),
-            {"forward": _settled_forward, "_tritonmm_base": cls, "_tritonmm_swapped": swapped,
-             "__module__": __name__},
-        )
-
-        def _apply(self, fn, *args, **kwargs):
-            out = super(settled, self)._apply(fn, *args, **kwargs)
-            _unsettle(self)  # the weights may have a new dtype or device
-            return out
-
-        def __setattr__(self, name, value):
-            if name in ("weight", "bias") and type(self) is settled:
-                _unsettle(self)
-                return type(self).__setattr__(self, name, value)  # the swapped class's (a subclass's own)
-            super(settled, self).__setattr__(name, value)
-
-        settled._apply, settled.__setattr__ = _apply, __setattr__
+        settled_class(swapped, _settled_forward, lambda name, value: name in ("weight", "bias"))
         _swap_classes[cls] = swapped
     return _swap_classes[cls]
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx import Proxy as _Proxy
 
-from . import dispatch, grads, modes, runners, shapes
+from . import activations, dispatch, grads, modes, runners, shapes
 from ._env import raw_get, raw_name
 
 CACHE_MAX = 4096
@@ -189,10 +189,18 @@ class Route:
         return matmul_slow(a, b)
 
 
+def _torch_activation_call(activation: str):
+    def call(x, w, b):
+        return runners.torch_linear(x, w, b, activation, inplace=not _needs_grad(x, w, b))
+    return call
+
+
+_TORCH_LINEAR_CALLS = {a: F.linear if a == "none" else _torch_activation_call(a) for a in activations.ACTIVATIONS}
+_TORCH_LINEAR = frozenset(_TORCH_LINEAR_CALLS.values())
+
+
 def _torch_linear_call(activation: str):
-    if activation == "none":
-        return F.linear
-    return lambda x, w, b: runners.torch_linear(x, w, b, activation, inplace=not _needs_grad(x, w, b))
+    return _TORCH_LINEAR_CALLS[activation]
 
 
 def _torch_matmul_call(a: Tensor, b: Tensor):
@@ -328,7 +336,7 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
         if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias):
             return linear_slow(input, weight, bias, activation)
         fn = _linear_entry(key, input, weight, bias, activation, key[5])
-    if fn is F.linear or type(fn) is Route and fn.forward_torch:
+    if fn in _TORCH_LINEAR or type(fn) is Route and fn.forward_torch:
         plan(weight, *weight.shape)
     return fn(input, weight, bias)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import inspect
 import statistics
 import time
@@ -34,6 +35,9 @@ CONFIGS = {
                  num_key_value_heads=2, vocab_size=512),
 }
 MODES = ("off", "swap", "patch", "fuse")
+CONTROL = "control"
+"""A second contender that is tritonmm off (the same calls as ``off``): its ratio is the A/A spread of the
+method on this host, the noise floor the other ratios are read against."""
 
 
 def _sync(device) -> None:
@@ -89,9 +93,12 @@ SAMPLE_MS = 25.0
 
 
 def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) -> dict:
-    """Median ms per call of each ``runs[mode] = (context, fn)``, the modes alternated round by round
-    (the order reversed every other round); each sample repeats the call at least ``iters`` times and
-    for about :data:`SAMPLE_MS`."""
+    """Milliseconds per call of each ``runs[mode] = (context, fn)`` in each round, the modes alternated
+    round by round (the order reversed every other round). Each sample repeats the call at least
+    ``iters`` times and for about :data:`SAMPLE_MS`, right after one untimed call of the same mode (so
+    no mode is timed cold after another mode's calls) and with Python's garbage collector paused (it
+    runs between rounds instead, as ``timeit`` pauses it)."""
+    runs = {**runs, CONTROL: runs["off"]} if "off" in runs else dict(runs)
     names = list(runs)
     for name in names:
         ctx, fn = runs[name]
@@ -101,21 +108,35 @@ def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) 
             once = _wall_ms(fn, device, 1)
         iters = max(iters, min(200, round(SAMPLE_MS / max(once, 1e-3))))
     times = {n: [] for n in names}
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            ctx, fn = runs[name]
-            with ctx():
-                times[name].append(_wall_ms(fn, device, iters))
+    was_enabled = gc.isenabled()
+    try:
+        for r in range(rounds):
+            gc.enable()
+            gc.collect()
+            gc.disable()
+            for name in (names if r % 2 == 0 else names[::-1]):
+                ctx, fn = runs[name]
+                with ctx():
+                    fn()
+                    times[name].append(_wall_ms(fn, device, iters))
+    finally:
+        if was_enabled:
+            gc.enable()
     return times
 
 
 def _row(phase: str, config: str, times: dict) -> dict:
-    """Median ms per mode, and per mode the median over rounds of off time / its time in the same round
-    (paired: drift between rounds cancels)."""
+    """Median ms per mode; per mode the median over pairs of consecutive rounds of off time / its time in
+    those two rounds (paired: drift cancels; a round and the next, whose order is reversed, put each
+    mode once early and once late in the pair, so an effect of position within a round cancels); and
+    every round's times (``rounds_ms``)."""
     row = {"config": config, "phase": phase, **{f"{m}_ms": statistics.median(t) for m, t in times.items()}}
+    off = times["off"]
     for m, t in times.items():
         if m != "off":
-            row[f"{m}_ratio"] = statistics.median(o / x for o, x in zip(times["off"], t))
+            row[f"{m}_ratio"] = statistics.median((off[i] + off[i + 1]) / (t[i] + t[i + 1])
+                                                  for i in range(0, len(t) - 1, 2))
+    row["rounds_ms"] = {m: [round(v, 4) for v in t] for m, t in times.items()}
     return row
 
 
@@ -131,7 +152,7 @@ def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
     vocab = model.config.vocab_size
     rows = []
     runs = lambda fn: {m: (lambda m=m: mode(m, model), fn) for m in MODES}  # noqa: E731
-    host_rounds = 2 * rounds + 1  # host-paced phases: more samples against the host's jitter
+    host_rounds = 2 * rounds  # host-paced phases: more samples against the host's jitter
     prefill = [(1, 16)] if small else [(1, 512), (4, 1024)]
     for batch, seq in prefill:
         ids = _tokens(vocab, batch, seq, device)
@@ -247,7 +268,8 @@ def _per_call_us(pairs: dict, device, rounds: int, calls: int) -> dict:
 
 def per_call_rows(device, rounds: int = 41, calls: int = 400) -> list[dict]:
     """Host cost per call of each entry point against the torch call it replaces (x 1 x 2048, weight
-    5632 x 2048, bf16 on a GPU; fp32 on the CPU), with and without autograd; autocast forward + backward
+    5632 x 2048, bf16 on a GPU; fp32 on the CPU), with and without autograd, and of a Sequential of that Linear,
+    GELU and a Linear back against the same modules fused (``tritonmm.fuse``); autocast forward + backward
     with fp32 weights (512 x 2048 x 5632); a GEMM forced to the Triton pointer kernel against a bare
     launch of the same compiled kernel."""
     import torch.nn.functional as F
@@ -268,6 +290,8 @@ def per_call_rows(device, rounds: int = 41, calls: int = 400) -> list[dict]:
     lin = torch.nn.Linear(K, N, device=device, dtype=dtype)
     swapped = tritonmm.swap_linear(copy.deepcopy(lin))
     w, b = lin.weight, lin.bias
+    seq = torch.nn.Sequential(lin, torch.nn.GELU(), torch.nn.Linear(N, K, device=device, dtype=dtype))
+    fused = tritonmm.fuse(copy.deepcopy(seq))
     for grad in (False, True):
         tag = "grad" if grad else "no_grad"
         with torch.set_grad_enabled(grad):
@@ -277,6 +301,8 @@ def per_call_rows(device, rounds: int = 41, calls: int = 400) -> list[dict]:
             wt = w.detach().t()
             add(f"matmul, {tag}", "torch.matmul", "tritonmm.matmul",
                 {"torch.matmul": lambda: torch.matmul(x, wt), "tritonmm.matmul": lambda: tritonmm.matmul(x, wt)})
+            add(f"Linear + GELU + Linear, {tag}", "nn.Sequential", "fused",
+                {"nn.Sequential": lambda: seq(x), "fused": lambda: fused(x)})
     if gpu:  # fp32 master weights under bf16 autocast, forward + backward
         M = 512
         x32 = torch.randn(M, K, device=device, requires_grad=True)
@@ -322,7 +348,9 @@ def _triton_route_row(device, rounds: int, calls: int) -> dict:
 
 
 def run(device, rounds: int = 15, configs=None, phases=None, progress=print) -> dict:
-    """Every phase of every config, then the per-call rows; returns what the JSON holds."""
+    """Every phase of every config, then the per-call rows; returns what the JSON holds. ``rounds`` is
+    rounded up to an even number (ratios pair consecutive rounds)."""
+    rounds = max(2, rounds + rounds % 2)
     gpu = device.type == "cuda"
     configs = configs or (["small", "llama3-8b-2l"] if gpu else ["tiny"])
     phases = phases or (["eager", "train", "compile"] if gpu else ["eager", "train"])
@@ -332,18 +360,26 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print) -> 
         for phase in phases:
             progress(f"model {name}: {phase}")
             fn = {"eager": eager_phases, "train": train_phases}.get(phase)
-            rows += fn(name, device, rounds, small) if fn else compile_phase(name, device, rounds)
+            new = fn(name, device, rounds, small) if fn else compile_phase(name, device, rounds)
+            for r in new:
+                progress(_line(r))
+            rows += new
             if gpu:
                 torch.cuda.empty_cache()
     progress("per-call rows")
     return {"phases": rows, "per_call": per_call_rows(device)}
 
 
+def _line(r: dict) -> str:
+    nan = float("nan")
+    return (f"{r['config']:14} {r['phase']:36} {r['off_ms']:>9.3f} {r['swap_ratio']:>6.3f} {r['patch_ratio']:>6.3f} "
+            f"{r.get('fuse_ratio', nan):>6.3f} {r.get('control_ratio', nan):>6.3f}")
+
+
 def print_report(result: dict) -> None:
-    print(f"{'config':14} {'phase':36} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6}  (off time / on time)")
+    print(f"{'config':14} {'phase':36} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6} {'A/A':>6}  (off time / on time)")
     for r in result["phases"]:
-        print(f"{r['config']:14} {r['phase']:36} {r['off_ms']:>9.3f} {r['swap_ratio']:>6.3f} {r['patch_ratio']:>6.3f} "
-              f"{r.get('fuse_ratio', float('nan')):>6.3f}")
+        print(_line(r))
     print("\nper call (µs): torch call, tritonmm call, cost over torch, ratio torch / tritonmm")
     for r in result["per_call"]:
         print(f"{r['row']:52} {r['torch']:>14} {r['torch_us']:>8.2f}  {r['tritonmm']:>16} {r['tritonmm_us']:>8.2f}  "
@@ -352,11 +388,12 @@ def print_report(result: dict) -> None:
 
 def markdown(result: dict) -> str:
     """The README's model table."""
-    lines = ["| model | phase | off ms | swap_linear | patch_linear | fuse |", "|---|---|---|---|---|---|"]
+    lines = ["| model | phase | off ms | swap_linear | patch_linear | fuse | off again (A/A) |",
+             "|---|---|---|---|---|---|---|"]
+    cell = lambda r, k: f"{r[k]:.3f}x" if k in r else "-"  # noqa: E731
     for r in result["phases"]:
-        fuse = f"{r['fuse_ratio']:.3f}x" if "fuse_ratio" in r else "-"
-        lines.append(f"| {r['config']} | {r['phase']} | {r['off_ms']:.2f} | {r['swap_ratio']:.3f}x | "
-                     f"{r['patch_ratio']:.3f}x | {fuse} |")
+        lines.append(f"| {r['config']} | {r['phase']} | {r['off_ms']:.2f} | {cell(r, 'swap_ratio')} | "
+                     f"{cell(r, 'patch_ratio')} | {cell(r, 'fuse_ratio')} | {cell(r, 'control_ratio')} |")
     lines += ["", "| per call | torch µs | tritonmm µs | over |", "|---|---|---|---|"]
     for r in result["per_call"]:
         lines.append(f"| {r['row']} ({r['torch']} vs {r['tritonmm']}) | {r['torch_us']:.1f} | {r['tritonmm_us']:.1f} | "
