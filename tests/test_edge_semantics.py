@@ -310,3 +310,34 @@ def test_unpatch_restores_another_librarys_patch():
         assert nn.Linear.forward is other_patch
     finally:
         nn.Linear.forward = original
+
+
+def test_tensor_subclasses_with_their_own_torch_function_keep_their_f_linear_and_matmul():
+    """A weight class that serves F.linear / torch.matmul itself (as quantized-weight subclasses do) gets
+    those calls from the functional API, swapped and patched layers, as without tritonmm."""
+    import torch.nn.functional as F
+
+    class Doubled(torch.nn.Parameter):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func in (F.linear, torch.matmul):
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(args[0], args[1] * 2, *args[2:], **(kwargs or {}))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    x = randn(3, 16)
+    lin = torch.nn.Linear(16, 8)
+    lin.weight = Doubled(lin.weight.detach())
+    want = F.linear(x, lin.weight, lin.bias)
+    torch.testing.assert_close(want, F.linear(x, 2 * lin.weight.detach(), lin.bias.detach()))
+    wt = Doubled(randn(16, 8))
+    for _ in range(2):
+        torch.testing.assert_close(tritonmm.linear(x, lin.weight, lin.bias), want)
+        torch.testing.assert_close(tritonmm.matmul(x, wt), torch.matmul(x, wt))
+        with tritonmm.force_backend("triton"):
+            torch.testing.assert_close(tritonmm.linear(x, lin.weight, lin.bias), want)
+        with tritonmm.patch_linear():
+            torch.testing.assert_close(lin(x), want)
+    assert tritonmm.explain(x, wt).backend == "torch"
+    tritonmm.swap_linear(lin)
+    torch.testing.assert_close(lin(x), want)

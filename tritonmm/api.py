@@ -149,6 +149,9 @@ def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
     if modes.torch_only(a, b):
         return dispatch.Decision("torch", None, "functorch transform, forward-mode AD or nested tensor: "
                                                 "torch.matmul itself serves the call")
+    if modes.own_torch_function(a, b):
+        return dispatch.Decision("torch", None, "a tensor subclass with its own __torch_function__: torch.matmul "
+                                                "itself serves the call")
     if modes.unusual(a) or modes.unusual(b):
         return dispatch.Decision("torch", None, "sparse, neg-bit (e.g. x.conj().imag) or zero tensor: "
                                                 "torch.matmul itself serves the call")

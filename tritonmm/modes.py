@@ -35,6 +35,21 @@ def torch_only(*tensors) -> bool:
     return False
 
 
+_DISABLED_TF = torch._C._disabled_torch_function_impl
+_DEFAULT_TF = torch.Tensor.__torch_function__.__func__
+
+
+def own_torch_function(*tensors) -> bool:
+    """Whether a tensor's class defines its own ``__torch_function__`` (as quantized-weight subclasses do to
+    serve F.linear / torch.matmul themselves): such calls go to the torch function, not to the op."""
+    for t in tensors:
+        if t is not None and type(t) not in PLAIN:
+            tf = type(t).__torch_function__
+            if tf is not _DISABLED_TF and getattr(tf, "__func__", None) is not _DEFAULT_TF:
+                return True
+    return False
+
+
 def eager() -> bool:
     """Plain eager mode: no torch.compile or jit tracing, no torch function or dispatch mode."""
     if is_compiling() or _tracing_state() is not None:

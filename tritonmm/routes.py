@@ -105,7 +105,7 @@ def matmul_slow(a: Tensor, b: Tensor) -> Tensor:
         return torch.ops.tritonmm.matmul(a, b)
     _require_tensor("input", a, "matmul")
     _require_tensor("other", b, "matmul")
-    if modes.torch_only(a, b):
+    if modes.torch_only(a, b) or modes.own_torch_function(a, b) and not modes.is_compiling():
         return torch.matmul(a, b)
     if not (modes.eager() and modes.plain(a, b)):
         return torch.ops.tritonmm.matmul(a, b)
@@ -126,8 +126,8 @@ def linear_slow(x: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
     _require_tensor("weight", weight, "linear")
     if bias is not None:
         _require_tensor("bias", bias, "linear")
-    if modes.torch_only(x, weight, bias):  # under autograd / functorch: activation out of place
-        return runners.torch_linear(x, weight, bias, activation, inplace=False)
+    if modes.torch_only(x, weight, bias) or modes.own_torch_function(x, weight, bias) and not modes.is_compiling():
+        return runners.torch_linear(x, weight, bias, activation, inplace=False)  # (activation out of place)
     if not (modes.eager() and modes.plain(x, weight, bias)):
         return torch.ops.tritonmm.linear(x, weight, bias, activation)
     if _any_autocast():
