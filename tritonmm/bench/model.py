@@ -355,6 +355,7 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print) -> 
     configs = configs or (["small", "llama3-8b-2l"] if gpu else ["tiny"])
     phases = phases or (["eager", "train", "compile"] if gpu else ["eager", "train"])
     rows = []
+    progress(f"each phase as it ends:\n{_HEADER}")
     for name in configs:
         small = name == "tiny"
         for phase in phases:
@@ -366,7 +367,7 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print) -> 
             rows += new
             if gpu:
                 torch.cuda.empty_cache()
-    progress("per-call rows")
+    progress("measuring the per-call rows")
     return {"phases": rows, "per_call": per_call_rows(device)}
 
 
@@ -376,11 +377,15 @@ def _line(r: dict) -> str:
             f"{r.get('fuse_ratio', nan):>6.3f} {r.get('control_ratio', nan):>6.3f}")
 
 
+_HEADER = f"{'config':14} {'phase':36} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6} {'A/A':>6}  (off time / on time)"
+
+
 def print_report(result: dict) -> None:
-    print(f"{'config':14} {'phase':36} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6} {'A/A':>6}  (off time / on time)")
+    print(_HEADER)
     for r in result["phases"]:
         print(_line(r))
-    print("\nper call (µs): torch call, tritonmm call, cost over torch, ratio torch / tritonmm")
+    print("\nper call (µs): torch call, tritonmm call (medians over rounds), cost over torch (median over rounds of "
+          "the difference within a round), ratio torch / (torch + cost)")
     for r in result["per_call"]:
         print(f"{r['row']:52} {r['torch']:>14} {r['torch_us']:>8.2f}  {r['tritonmm']:>16} {r['tritonmm_us']:>8.2f}  "
               f"{r['over_us']:>+6.2f}  {r['ratio']:.3f}")
