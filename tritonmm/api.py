@@ -130,6 +130,17 @@ def linear_forward(self, input: Tensor) -> Tensor:
     return linear(input, weight, bias)
 
 
+def torch_planned(weight) -> bool:
+    """Whether ``weight`` has a current plan sending every GEMM it takes part in to torch, in the default
+    state (nothing forced): where a fused module has nothing left to fuse."""
+    plan = _plans_get(id(weight))
+    try:
+        return plan is not None and plan[0] == 2 and plan[1] == weight.data_ptr() and _forced() is None \
+            and raw_get(_BACKEND) is None and raw_get(_KERNEL) is None
+    except (AttributeError, RuntimeError):  # not a tensor, no storage
+        return False
+
+
 def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
     """The backend ``matmul(a, b)`` would take now, with the reason (``str()`` it to read it).
 

@@ -35,9 +35,9 @@ from torch import nn
 from torch.fx import Proxy as _Proxy
 from torch.nn.modules import module as _module
 
-from ._env import raw_get
-from .api import _BACKEND, _KERNEL, _forced, _plans_get, linear
+from .api import linear, torch_planned
 from .gated import GATED_MAX_M, gated_linear
+from .modes import PLAIN
 from .nn import _original_forward, _patched_forward, settle, settled_class
 
 
@@ -101,14 +101,9 @@ def _plain_linear(m) -> bool:
     return t.forward in (_original_forward, _patched_forward) or "_tritonmm_base" in t.__dict__
 
 
-_PLAIN_PARAMS = (nn.Parameter, torch.Tensor)
-
-
 def _plain_params(weight, bias) -> bool:
     """Parameters the fused calls may read: plain tensors (a subclass with its own F.linear keeps it)."""
-    t = type(weight)
-    return (t is _PLAIN_PARAMS[0] or t is _PLAIN_PARAMS[1]) and (
-        bias is None or type(bias) is _PLAIN_PARAMS[0] or type(bias) is _PLAIN_PARAMS[1])
+    return type(weight) in PLAIN and (bias is None or type(bias) in PLAIN)
 
 
 def _gated_mlp(module: nn.Module) -> bool:
@@ -181,16 +176,6 @@ def _fused_forward(self, x):
     return self.down_proj(act(gate(x)) * up(x))  # the recognised forward, written out
 
 
-def _settles(weight) -> bool:
-    """Whether ``weight`` has a current plan sending every GEMM to torch, in the default state."""
-    plan = _plans_get(id(weight))
-    try:
-        return plan is not None and plan[0] == 2 and plan[1] == weight.data_ptr() and _forced() is None \
-            and raw_get(_BACKEND) is None and raw_get(_KERNEL) is None
-    except (AttributeError, RuntimeError):  # not a tensor, no storage
-        return False
-
-
 def _fused_sequential_forward(self, input):
     """nn.Sequential's forward, with each plain Linear directly followed by a known activation module run
     as one :func:`tritonmm.linear` call with that activation in its epilogue. Where every fused pair's
@@ -209,7 +194,7 @@ def _fused_sequential_forward(self, input):
                 weight, bias = m.weight, m.bias
                 if _plain_params(weight, bias):
                     input = linear(input, weight, bias, name)
-                    settles = settles and _settles(weight)
+                    settles = settles and torch_planned(weight)
                     fused += 1
                     i += 2
                     continue
