@@ -28,9 +28,21 @@ a = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16); bb = torch.randn(6
 g = dict(F=F, torch=torch, tritonmm=tritonmm, lin=lin, sw=sw, x=x, w=w, b=b, a=a, bb=bb)
 def t(s, n=20000):
     r = sorted(timeit.timeit(s, globals=g, number=n) / n * 1e9 for _ in range(9)); return r[4]
+from tritonmm import api
+from tritonmm._env import raw_env
+tritonmm.linear(x, w, b); tritonmm.matmul(x, w.t())
+g.update(api=api, raw_env=raw_env, wt=w.t(), plan=routes.plans.get(id(w)))
+print("plan", g["plan"] and g["plan"][0])
+for s in ["pass", "api._dynamo_compiling()", "api._is_compiling()", "api._plans_get(id(w))", "api._forced()",
+          "api._BACKEND not in raw_env", "w.data_ptr()", "api._grad_enabled()", "x.requires_grad"]:
+    print(f"{t(s, 100000):9.1f} ns  {s}")
+for mode in ("no_grad", "grad"):
+    with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
+        for s in ["F.linear(x, w, b)", "tritonmm.linear(x, w, b)", "torch.matmul(x, wt)", "tritonmm.matmul(x, wt)"]:
+            print(f"{t(s):9.1f} ns  {s}  [{mode}]")
 with torch.no_grad():
     tritonmm.linear(x, w, b); sw(x)
-    for s in ["F.linear(x, w, b)", "tritonmm.linear(x, w, b)", "lin(x)", "sw(x)", "torch.matmul(a, bb)"]:
+    for s in ["lin(x)", "sw(x)", "torch.matmul(a, bb)"]:
         print(f"{t(s):9.1f} ns  {s}")
     with tritonmm.force_backend("triton", "pointer"):
         tritonmm.matmul(a, bb)

@@ -485,3 +485,46 @@ def test_fx_symbolic_trace_of_swapped_layers(settle, monkeypatch):
     gm = torch.fx.symbolic_trace(lambda a, b: tritonmm.matmul(a, b))
     b = randn(8, 5)
     torch.testing.assert_close(gm(a, b), a @ b)
+
+
+def test_planned_weight_under_dynamo_export_and_an_environment_setting(everything_torch, monkeypatch):
+    """The plan check is skipped under Dynamo (a data pointer would break the graph) and taken in eager;
+    non-strict export traces the op or F.linear, both right; a set TRITONMM_BACKEND or TRITONMM_KERNEL,
+    even to "" or "auto", bypasses the plan."""
+    keyed = []
+    orig = routes.linear_keyed
+    monkeypatch.setattr(routes, "linear_keyed", lambda *a: keyed.append(1) or orig(*a))
+    w, x = randn(8, 16), randn(4, 16)
+    tritonmm.linear(x, w)
+    assert routes.plans[id(w)][0] == 2 and len(keyed) == 1
+
+    def fn(x):
+        return tritonmm.linear(x, w) + tritonmm.matmul(x, w.t())
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), 2 * F.linear(x, w))
+    assert len(keyed) == 1  # no eager route taken while tracing
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = tritonmm.swap_linear(torch.nn.Linear(16, 8))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    m = M()
+    m(x), m(x)  # planned and settled in eager
+    for strict in (True, False):
+        ep = torch.export.export(m, (x,), strict=strict)
+        torch.testing.assert_close(ep.module()(x), F.linear(x, m.lin.weight, m.lin.bias))
+    for name in ("TRITONMM_BACKEND", "TRITONMM_KERNEL"):
+        for value in ("", "auto"):
+            monkeypatch.setenv(name, value)
+            before = len(keyed)
+            torch.testing.assert_close(tritonmm.linear(x, w), F.linear(x, w))
+            assert len(keyed) == before + 1
+            monkeypatch.delenv(name)
+    tritonmm.linear(x, w)
+    assert len(keyed) == before + 1  # unset again: the plan serves

@@ -1,6 +1,7 @@
 """The benchmark's bookkeeping (no timing here): summaries, the JSON replay, the plot, the CPU check."""
 
 import json
+import statistics
 
 import pytest
 
@@ -166,8 +167,9 @@ def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
 
 
 def test_alternate_times_each_sample_warm_with_the_collector_paused_and_an_a_a_control(monkeypatch):
-    """Each timed sample follows one untimed call of its own mode, runs with gc paused, and ``off`` gets a
-    second contender (``control``) running the same calls."""
+    """Each timed sample follows one untimed call of its own mode and runs with gc paused; each round starts
+    with an untimed sample of its first mode; the order rotates by one place per round, rounds are rounded up
+    to whole blocks, and ``off`` gets a second contender (``control``) running the same calls."""
     import gc
 
     import torch
@@ -195,29 +197,68 @@ def test_alternate_times_each_sample_warm_with_the_collector_paused_and_an_a_a_c
     runs = {"off": (ctx("off"), run("off")), "swap": (ctx("swap"), run("swap"))}
     monkeypatch.setattr(model, "SAMPLE_MS", 0.0)  # samples of exactly ``iters`` calls
     assert gc.isenabled()
-    times = model.alternate(runs, torch.device("cpu"), rounds=3, iters=2, warmup=1)
+    times = model.alternate(runs, torch.device("cpu"), rounds=2, iters=2, warmup=1)  # 2 -> one block of 3
     assert gc.isenabled()
     assert set(times) == {"off", "swap", "control"} and all(len(v) == 3 for v in times.values())
-    timed = log[len(log) - 3 * 3 * 3:]  # per round and mode: one warm call, then iters = 2 timed calls
+    per_round = 2 + 3 * 3  # the round's untimed first sample, then per mode one warm call and iters = 2 calls
+    timed = log[len(log) - 3 * per_round:]
     assert all(not enabled for _, enabled in timed)
-    by_sample = [timed[i:i + 3] for i in range(0, len(timed), 3)]
-    assert all(len({n for n, _ in sample}) == 1 for sample in by_sample)  # warm call and sample: one mode
-    assert [s[0][0] for s in by_sample[:3]] == ["off", "swap", "off"]  # control runs off's calls
-    assert [s[0][0] for s in by_sample[3:6]] == ["off", "swap", "off"][::-1]
+    rounds = [timed[i:i + per_round] for i in range(0, len(timed), per_round)]
+    firsts = []
+    for r in rounds:
+        assert r[0][0] == r[1][0] == r[2][0]  # the untimed sample is the first mode's
+        samples = [r[i:i + 3] for i in range(2, per_round, 3)]
+        assert all(len({n for n, _ in sample}) == 1 for sample in samples)  # warm call and sample: one mode
+        firsts.append([s[0][0] for s in samples])
+    # control runs off's calls; the order rotates: off, swap, control / swap, control, off / control, off, swap
+    assert firsts == [["off", "swap", "off"], ["swap", "off", "off"], ["off", "off", "swap"]]
+    assert entered[-4:] == ["off", "off", "off", "swap"]  # in the mode's context, the untimed sample too
 
 
-def test_a_position_effect_within_rounds_cancels_in_the_ratio():
-    """Two identical contenders, the first in a round 10% faster: consecutive rounds swap the order, so
-    the paired ratio reads 1.0 where a median of per-round ratios would read the majority's order."""
+def test_a_place_effect_within_rounds_cancels_in_the_ratio():
+    """Three identical contenders, the first in a round 10% faster and the last 3% slower: each block of
+    rounds times every contender once in every place, so the ratio reads 1.0; a mode 5% faster reads 1.05."""
     from tritonmm.bench import model
 
-    off = [1.0, 1.1] * 7 + [1.0]
-    again = [1.1, 1.0] * 7 + [1.1]
-    row = model._row("phase", "cfg", {"off": off, "control": again})
-    assert row["control_ratio"] == pytest.approx(1.0) and row["rounds_ms"]["off"] == off
-    assert row["off_ms"] == pytest.approx(1.0) and row["control_ms"] == pytest.approx(1.1)
-    faster = model._row("phase", "cfg", {"off": off, "swap": [t / 1.05 for t in off]})
-    assert faster["swap_ratio"] == pytest.approx(1.05)
+    place = [1.0, 1.1, 1.133]
+    times = {"off": [], "control": [], "swap": []}
+    for r in range(6):
+        order = ["off", "control", "swap"][r % 3:] + ["off", "control", "swap"][:r % 3]
+        for i, m in enumerate(order):
+            times[m].append(place[i] / (1.05 if m == "swap" else 1.0))
+    row = model._row("phase", "cfg", times)
+    assert row["control_ratio"] == pytest.approx(1.0) and row["rounds_ms"]["off"] == [round(t, 4) for t in times["off"]]
+    assert row["swap_ratio"] == pytest.approx(1.05)
+    assert row["off_ms"] == pytest.approx(1.1)
+    naive = statistics.median(o / c for o, c in zip(times["off"], times["control"]))
+    assert naive != pytest.approx(1.0, abs=0.02)  # a median of per-round ratios would not cancel it
+
+
+def test_per_call_cost_cancels_the_place_in_a_round(monkeypatch):
+    """Two identical contenders, whichever runs first in a round 10% faster: the cost over torch reads 0,
+    where a median of within-round differences over an odd number of rounds would read the majority's order;
+    a contender 1 µs slower per call reads +1."""
+    import torch
+
+    from tritonmm.bench import model
+
+    def fake(extra):
+        state = {"n": 0}
+        cost = {"torch": 10.0, "ours": 10.0 + extra}
+
+        def wall_ms(fn, device, calls):
+            state["n"] += 1
+            first = state["n"] % 2 == 1
+            return cost[fn()] * (0.9 if first else 1.0) / 1e3
+        return wall_ms
+
+    fns = {"torch": lambda: "torch", "ours": lambda: "ours"}
+    monkeypatch.setattr(model, "_wall_ms", fake(0.0))
+    same = model._per_call_us(fns, torch.device("cpu"), rounds=41, calls=1)
+    assert same["over"] == pytest.approx(0.0, abs=1e-9) and same["torch"] == pytest.approx(same["ours"])
+    monkeypatch.setattr(model, "_wall_ms", fake(1.0))
+    slower = model._per_call_us(fns, torch.device("cpu"), rounds=41, calls=1)
+    assert slower["over"] == pytest.approx(0.95)  # 1 µs, of which the faster first place takes 10% half the time
 
 
 def test_mlp_benchmark_without_a_gpu_and_its_json(tmp_path, capsys):

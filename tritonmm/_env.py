@@ -11,12 +11,13 @@ if isinstance(_environ_data, dict) and all(isinstance(k, bytes) for k in list(_e
     _ENV_KEYS = tuple(os.fsencode(k) for k in ENV)
 
     raw_get, raw_name = _environ_data.get, os.fsencode  # raw_get(raw_name(name)): a variable's raw value
+    raw_env = _environ_data  # raw_name(name) in raw_env: whether a variable is set
 
     def env_state() -> tuple:
         """The raw values of :data:`ENV` (None where unset)."""
         return tuple(map(_environ_data.get, _ENV_KEYS))
 else:  # pragma: no cover - non-POSIX environments
-    raw_get, raw_name = os.environ.get, str
+    raw_get, raw_name, raw_env = os.environ.get, str, os.environ
 
     def env_state() -> tuple:
         """The raw values of :data:`ENV` (None where unset)."""

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import activations, dispatch, gated, modes, routes, runners
-from ._env import raw_get, raw_name
+from ._env import raw_env, raw_name
 
 _plans_get = routes.plans.get
 _forced = dispatch._forced.get
 _is_compiling = torch.compiler.is_compiling
+_dynamo_compiling = torch.compiler.is_dynamo_compiling  # True under Dynamo (constant); 30 ns in eager
 _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _F_linear = F.linear
@@ -56,17 +57,16 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
     Falls back to torch.matmul (cuBLAS) where :func:`explain` says so. Sparse, nested, neg-bit
     and zero tensors, functorch transforms and forward-mode AD are handed to torch.matmul itself.
     """
-    if _is_compiling():
-        return routes.matmul_slow(input, other)
-    plan = _plans_get(id(other))  # the weight plan (module docstring), checked inline
-    if plan is not None and plan[0] and _forced() is None and raw_get(_BACKEND) is None and raw_get(_KERNEL) is None:
-        try:
-            if plan[1] == other.data_ptr() and (
-                    plan[0] == 2 or not (_grad_enabled() and (input.requires_grad or other.requires_grad))):
-                return _matmul(input, other)
-        except (AttributeError, RuntimeError):  # not a tensor, no storage
-            pass
-    if _tracing_state() is not None:  # jit tracing: every run of the trace takes the same path
+    if not _dynamo_compiling():
+        plan = _plans_get(id(other))  # the weight plan (module docstring), checked inline
+        if plan is not None and plan[0] and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
+            try:
+                if plan[1] == other.data_ptr() and (
+                        plan[0] == 2 or not (_grad_enabled() and (input.requires_grad or other.requires_grad))):
+                    return _matmul(input, other)
+            except (AttributeError, RuntimeError):  # not a tensor, no storage
+                pass
+    if _is_compiling() or _tracing_state() is not None:  # (jit tracing: every run of the trace takes one path)
         return routes.matmul_slow(input, other)
     return routes.matmul_keyed(input, other)
 
@@ -91,21 +91,20 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
 
     Under ``torch.autocast`` the inputs are cast to the autocast dtype as F.linear's are.
     """
-    if _is_compiling():
-        return routes.linear_slow(input, weight, bias, activation)
-    plan = _plans_get(id(weight))  # the weight plan (module docstring), checked inline
-    if plan is not None and plan[0] and _forced() is None and raw_get(_BACKEND) is None and raw_get(_KERNEL) is None:
-        try:
-            if plan[1] == weight.data_ptr() and (
-                    plan[0] == 2 or not (_grad_enabled() and (input.requires_grad or weight.requires_grad
-                                                              or bias is not None and bias.requires_grad))):
-                if activation == "none":
-                    return _F_linear(input, weight, bias)
-                if activation in _EPILOGUES:  # as the activation module after F.linear computes it
-                    return _activation(_F_linear(input, weight, bias), activation)
-        except (AttributeError, RuntimeError):  # not a tensor, no storage
-            pass
-    if _tracing_state() is not None:  # jit tracing: every run of the trace takes the same path
+    if not _dynamo_compiling():
+        plan = _plans_get(id(weight))  # the weight plan (module docstring), checked inline
+        if plan is not None and plan[0] and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
+            try:
+                if plan[1] == weight.data_ptr() and (
+                        plan[0] == 2 or not (_grad_enabled() and (input.requires_grad or weight.requires_grad
+                                                                  or bias is not None and bias.requires_grad))):
+                    if activation == "none":
+                        return _F_linear(input, weight, bias)
+                    if activation in _EPILOGUES:  # as the activation module after F.linear computes it
+                        return _activation(_F_linear(input, weight, bias), activation)
+            except (AttributeError, RuntimeError):  # not a tensor, no storage
+                pass
+    if _is_compiling() or _tracing_state() is not None:  # (jit tracing: every run of the trace takes one path)
         return routes.linear_slow(input, weight, bias, activation)
     return routes.linear_keyed(input, weight, bias, activation)
 
@@ -116,10 +115,10 @@ def linear_forward(self, input: Tensor) -> Tensor:
 
     The weight plan is checked inline, as in :func:`linear`: this is the per-call path of every patched layer."""
     weight, bias = self.weight, self.bias
-    if not _is_compiling():
+    if not _dynamo_compiling():
         plan = _plans_get(id(weight))
-        if plan is not None and plan[0] and _forced() is None and raw_get(_BACKEND) is None \
-                and raw_get(_KERNEL) is None:
+        if plan is not None and plan[0] and _forced() is None and _BACKEND not in raw_env \
+                and _KERNEL not in raw_env:
             try:
                 if plan[1] == weight.data_ptr() and (
                         plan[0] == 2 or not (_grad_enabled() and (input.requires_grad or weight.requires_grad
@@ -136,7 +135,7 @@ def torch_planned(weight) -> bool:
     plan = _plans_get(id(weight))
     try:
         return plan is not None and plan[0] == 2 and plan[1] == weight.data_ptr() and _forced() is None \
-            and raw_get(_BACKEND) is None and raw_get(_KERNEL) is None
+            and _BACKEND not in raw_env and _KERNEL not in raw_env
     except (AttributeError, RuntimeError):  # not a tensor, no storage
         return False
 

@@ -30,8 +30,8 @@ from torch import nn
 
 from . import api as _api
 from . import dispatch
-from ._env import raw_get
-from .api import (_BACKEND, _KERNEL, _F_linear, _forced, _grad_enabled, _is_compiling, _plans_get,  # the fast
+from ._env import raw_env
+from .api import (_BACKEND, _KERNEL, _F_linear, _dynamo_compiling, _forced, _grad_enabled, _plans_get,  # the fast
                   _tracing_state, linear, linear_forward)  # path's bound callables, shared with the patched forward
 
 
@@ -108,10 +108,9 @@ def _swapped_forward(self, input):
     """nn.Linear.forward through tritonmm: :func:`tritonmm.api.linear_forward`, except that a module whose
     weight has a plan sending every GEMM to torch is settled (see the module docstring)."""
     weight, bias = self.weight, self.bias
-    if not _is_compiling():
+    if not _dynamo_compiling():
         plan = _plans_get(id(weight))
-        if plan is not None and plan[0] and _forced() is None and raw_get(_BACKEND) is None \
-                and raw_get(_KERNEL) is None:
+        if plan is not None and plan[0] and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
             try:
                 if plan[1] == weight.data_ptr():
                     if plan[0] == 2:

@@ -2,11 +2,12 @@
 patched in and with its MLPs fused, alternated in one process; and the per-call host cost of each
 entry point.
 
-Phases (each timed per mode, modes alternated round by round, medians of wall time between
+Phases (each timed per mode, the order of the modes rotated round by round, wall time between
 ``torch.cuda.synchronize()`` calls): eager prefill, eager decode with a KV cache, a training step
 (fp32 weights, bf16 autocast, AdamW), torch.compile prefill and CUDA-graph replay of a forward.
-Ratios are off time / on time (> 1: tritonmm faster). Eager prefill and decode, paced by the host, whose
-wall time varies by a few percent from sample to sample on a shared host, take ``2 * rounds + 1`` rounds.
+Ratios are off time / on time (> 1: tritonmm faster), against an A/A control (tritonmm off as a second
+contender). Eager prefill and decode, paced by the host, whose wall time varies by a few percent from
+sample to sample on a shared host, take twice the rounds.
 
 Per-call rows time many back-to-back calls of a problem whose GPU work is shorter than its host work,
 so the host sets the pace: the difference is what each call costs on the host.
@@ -93,12 +94,15 @@ SAMPLE_MS = 25.0
 
 
 def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) -> dict:
-    """Milliseconds per call of each ``runs[mode] = (context, fn)`` in each round, the modes alternated
-    round by round (the order reversed every other round). Each sample repeats the call at least
-    ``iters`` times and for about :data:`SAMPLE_MS`, right after one untimed call of the same mode (so
-    no mode is timed cold after another mode's calls) and with Python's garbage collector paused (it
-    runs between rounds instead, as ``timeit`` pauses it)."""
-    runs = {**runs, CONTROL: runs["off"]} if "off" in runs else dict(runs)
+    """Milliseconds per call of each ``runs[mode] = (context, fn)`` in each round. The order of the modes
+    rotates by one place per round, so that over ``len(runs)`` consecutive rounds (a block; ``rounds`` is
+    rounded up to whole blocks) each mode is timed once in each place. Each sample repeats the call at least
+    ``iters`` times and for about :data:`SAMPLE_MS`, right after one untimed call of the same mode (so no
+    mode is timed cold after another mode's calls), with Python's garbage collector paused (it runs between
+    rounds instead, as ``timeit`` pauses it). Each round starts with one untimed sample of its first mode:
+    on the H200 the first sample after the pause between rounds ran 4-10% faster than the rest (GPU clocks
+    after idle), which would favour whichever mode comes first."""
+    runs = {**runs, CONTROL: runs["off"]} if "off" in runs and CONTROL not in runs else dict(runs)
     names = list(runs)
     for name in names:
         ctx, fn = runs[name]
@@ -108,13 +112,18 @@ def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) 
             once = _wall_ms(fn, device, 1)
         iters = max(iters, min(200, round(SAMPLE_MS / max(once, 1e-3))))
     times = {n: [] for n in names}
+    rounds = -(-rounds // len(names)) * len(names)
     was_enabled = gc.isenabled()
     try:
         for r in range(rounds):
             gc.enable()
             gc.collect()
             gc.disable()
-            for name in (names if r % 2 == 0 else names[::-1]):
+            order = names[r % len(names):] + names[:r % len(names)]
+            ctx, fn = runs[order[0]]
+            with ctx():
+                _wall_ms(fn, device, iters)
+            for name in order:
                 ctx, fn = runs[name]
                 with ctx():
                     fn()
@@ -126,16 +135,15 @@ def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) 
 
 
 def _row(phase: str, config: str, times: dict) -> dict:
-    """Median ms per mode; per mode the median over pairs of consecutive rounds of off time / its time in
-    those two rounds (paired: drift cancels; a round and the next, whose order is reversed, put each
-    mode once early and once late in the pair, so an effect of position within a round cancels); and
-    every round's times (``rounds_ms``)."""
+    """Median ms per mode; per mode the median over blocks of ``len(times)`` consecutive rounds (in which
+    :func:`alternate` times every mode once in every place) of off time / its time, summed over the block
+    (drift and any effect of the place in a round cancel); and every round's times (``rounds_ms``)."""
     row = {"config": config, "phase": phase, **{f"{m}_ms": statistics.median(t) for m, t in times.items()}}
-    off = times["off"]
+    off, n = times["off"], len(times)
     for m, t in times.items():
         if m != "off":
-            row[f"{m}_ratio"] = statistics.median((off[i] + off[i + 1]) / (t[i] + t[i + 1])
-                                                  for i in range(0, len(t) - 1, 2))
+            row[f"{m}_ratio"] = statistics.median(sum(off[i:i + n]) / sum(t[i:i + n])
+                                                  for i in range(0, len(t) - n + 1, n))
     row["rounds_ms"] = {m: [round(v, 4) for v in t] for m, t in times.items()}
     return row
 
@@ -181,10 +189,10 @@ def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
         for batch, seq in ((1, 16), (1, 128), (4, 512)):
             ids = _tokens(vocab, batch, seq, device)
             graphs = {}
-            for m in MODES:
-                with mode(m, model), torch.no_grad():
+            for m in (*MODES, CONTROL):  # the control replays a graph of its own (memory placed apart, as each mode's)
+                with mode("off" if m == CONTROL else m, model), torch.no_grad():
                     graphs[m] = _capture(lambda: model(ids, use_cache=False).logits)
-            ms = alternate({m: (contextlib.nullcontext, graphs[m].replay) for m in MODES}, device, rounds, iters=20)
+            ms = alternate({m: (contextlib.nullcontext, g.replay) for m, g in graphs.items()}, device, rounds, iters=20)
             rows.append(_row(f"cuda-graph replay {batch} x {seq}", name, ms))
             del graphs
     del model
@@ -234,15 +242,13 @@ def compile_phase(name: str, device, rounds: int) -> list[dict]:
 
     model = build_model(name, device, torch.bfloat16)
     ids = _tokens(model.config.vocab_size, 4, 1024, device)
-    copies = {m: copy.deepcopy(model) for m in MODES}
+    copies = {m: copy.deepcopy(model) for m in (*MODES, CONTROL)}  # the control: a copy of its own, off
     tritonmm.swap_linear(copies["swap"])
     tritonmm.fuse(copies["fuse"])
-    compiled = {m: torch.compile(copies[m]) for m in MODES}
+    compiled = {m: torch.compile(c) for m, c in copies.items()}
     patched = lambda: tritonmm.patch_linear()  # noqa: E731  (nn.Linear patched only around its copy's calls)
-    runs = {"off": (contextlib.nullcontext, lambda: compiled["off"](ids, use_cache=False)),
-            "swap": (contextlib.nullcontext, lambda: compiled["swap"](ids, use_cache=False)),
-            "patch": (patched, lambda: compiled["patch"](ids, use_cache=False)),
-            "fuse": (contextlib.nullcontext, lambda: compiled["fuse"](ids, use_cache=False))}
+    runs = {m: (patched if m == "patch" else contextlib.nullcontext, lambda m=m: compiled[m](ids, use_cache=False))
+            for m in compiled}
     with torch.no_grad():
         ms = alternate(runs, device, rounds, iters=5, warmup=3)
     del copies, compiled, model
@@ -251,18 +257,22 @@ def compile_phase(name: str, device, rounds: int) -> list[dict]:
 
 
 def _per_call_us(pairs: dict, device, rounds: int, calls: int) -> dict:
-    """µs per call of each contender, ``calls`` back-to-back calls a sample, contenders alternated round
-    by round: medians over rounds, and ``over``: the median over rounds of (second - first) in a round."""
+    """µs per call of each of two contenders, ``calls`` back-to-back calls a sample, their order reversed
+    every other round (``rounds`` rounded up to an even number): medians over rounds, and ``over``: the
+    median over pairs of consecutive rounds of (second - first), averaged over the pair (each contender is
+    timed once first and once second in a pair, so an effect of the place in a round cancels)."""
     for fn in pairs.values():
         for _ in range(20):
             fn()
     times = {k: [] for k in pairs}
     names = list(pairs)
-    for r in range(rounds):
+    for r in range(rounds + rounds % 2):
         for k in (names if r % 2 == 0 else names[::-1]):
             times[k].append(_wall_ms(pairs[k], device, calls) * 1e3)
     out = {k: statistics.median(v) for k, v in times.items()}
-    out["over"] = statistics.median(b - a for a, b in zip(times[names[0]], times[names[1]]))
+    first, second = times[names[0]], times[names[1]]
+    out["over"] = statistics.median((second[i] + second[i + 1] - first[i] - first[i + 1]) / 2
+                                    for i in range(0, len(first) - 1, 2))
     return out
 
 
@@ -349,8 +359,8 @@ def _triton_route_row(device, rounds: int, calls: int) -> dict:
 
 def run(device, rounds: int = 15, configs=None, phases=None, progress=print) -> dict:
     """Every phase of every config, then the per-call rows; returns what the JSON holds. ``rounds`` is
-    rounded up to an even number (ratios pair consecutive rounds)."""
-    rounds = max(2, rounds + rounds % 2)
+    rounded up to whole blocks (:func:`alternate`)."""
+    rounds = max(1, rounds)
     gpu = device.type == "cuda"
     configs = configs or (["small", "llama3-8b-2l"] if gpu else ["tiny"])
     phases = phases or (["eager", "train", "compile"] if gpu else ["eager", "train"])
@@ -384,8 +394,8 @@ def print_report(result: dict) -> None:
     print(_HEADER)
     for r in result["phases"]:
         print(_line(r))
-    print("\nper call (µs): torch call, tritonmm call (medians over rounds), cost over torch (median over rounds of "
-          "the difference within a round), ratio torch / (torch + cost)")
+    print("\nper call (µs): torch call, tritonmm call (medians over rounds), cost over torch (median over pairs of "
+          "rounds in opposite orders of the difference), ratio torch / (torch + cost)")
     for r in result["per_call"]:
         print(f"{r['row']:52} {r['torch']:>14} {r['torch_us']:>8.2f}  {r['tritonmm']:>16} {r['tritonmm_us']:>8.2f}  "
               f"{r['over_us']:>+6.2f}  {r['ratio']:.3f}")
