@@ -100,8 +100,8 @@ def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) 
     ``iters`` times and for about :data:`SAMPLE_MS`, right after one untimed call of the same mode (so no
     mode is timed cold after another mode's calls), with Python's garbage collector paused (it runs between
     rounds instead, as ``timeit`` pauses it). Each round starts with one untimed sample of its first mode:
-    on the H200 the first sample after the pause between rounds ran 4-10% faster than the rest (GPU clocks
-    after idle), which would favour whichever mode comes first."""
+    on the H200 the first sample after the pause between rounds ran up to 10% faster than the rest
+    (``benchmarks/h200_model_first_place.json``), which would favour whichever mode comes first."""
     runs = {**runs, CONTROL: runs["off"]} if "off" in runs and CONTROL not in runs else dict(runs)
     names = list(runs)
     for name in names:
