@@ -5,7 +5,8 @@
 #   host    per-call cost of the entry points and of the Triton route's layers on this host, and a profile (printed)
 #   tests   pytest -m gpu on the GPU test modules -> $OUT/gpu_tests.log
 #   gpu_all every gpu-marked test -> $OUT/gpu_all.log
-#   model   python -m tritonmm.bench --model -> $OUT/h200_model.json (MODEL_ARGS adds flags)
+#   model   python -m tritonmm.bench --model -> $OUT/h200_model.json (MODEL_ARGS adds flags, e.g. one config per
+#           device call: --model-configs small; the JSON is rewritten after each phase, so a run cut short keeps them)
 #   mlp     python -m tritonmm.bench --mlp -> $OUT/h200_mlp.json (MLP_ARGS adds flags)
 #   suite   python -m tritonmm.bench on SUITE_TAGS (default: every shape) -> $OUT/h200.json, $OUT/h200.png
 set -uo pipefail

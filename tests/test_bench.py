@@ -166,6 +166,30 @@ def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert "| tiny | eager prefill 1 x 16 |" in capsys.readouterr().out
 
 
+def test_model_benchmark_keeps_the_phases_of_a_run_cut_short(tmp_path, monkeypatch):
+    """--json holds every phase measured so far (marked partial) when the run stops before its end."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from tritonmm.bench import model
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run is the H200 step `model`")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, "per_call_rows", cut)
+    out = tmp_path / "model.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--model", "--rounds", "1", "--model-phases", "eager", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["partial"] is True and data["per_call"] == [] and "machine" in data
+    assert {r["phase"] for r in data["phases"]} >= {"eager prefill 1 x 16", "eager decode 1 seq x 4 tokens"}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_alternate_times_each_sample_warm_with_the_collector_paused_and_an_a_a_control(monkeypatch):
     """Each timed sample follows one untimed call of its own mode and runs with gc paused; each round starts
     with an untimed sample of its first mode; the order rotates by one place per round, rounds are rounded up

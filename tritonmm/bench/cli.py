@@ -121,15 +121,27 @@ def model_main(args) -> int:
     else:
         if device.type == "cuda":
             warm_up_gpu()
+        def measured(rows):  # the phases so far, on disk: a run stopped later keeps them
+            if args.json:
+                _write_json(args, {"phases": rows, "per_call": [], "partial": True})
+
         result = model.run(device, args.rounds, args.model_configs, args.model_phases,
-                           progress=lambda m: print(m, file=sys.stderr, flush=True))
+                           progress=lambda m: print(m, file=sys.stderr, flush=True), measured=measured)
     if device.type == "cpu":
         print("No CUDA GPU: a tiny model on the CPU; these times show tritonmm's host cost per call, not GPU speed.")
     model.print_report(result)
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
-                                         **result}, indent=1))
+        _write_json(args, result)
     return 0
+
+
+def _write_json(args, result: dict) -> None:
+    """``result`` with the machine's facts and the arguments, to ``args.json`` (replaced whole: a reader never
+    sees half a file)."""
+    tmp = args.json.with_name(args.json.name + ".tmp")
+    tmp.write_text(json.dumps({"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
+                               **result}, indent=1))
+    os.replace(tmp, args.json)
 
 
 def mlp_main(args) -> int:

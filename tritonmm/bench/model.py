@@ -357,9 +357,10 @@ def _triton_route_row(device, rounds: int, calls: int) -> dict:
             "over_us": us["over"], "ratio": us["bare launch"] / (us["bare launch"] + us["over"])}
 
 
-def run(device, rounds: int = 15, configs=None, phases=None, progress=print) -> dict:
+def run(device, rounds: int = 15, configs=None, phases=None, progress=print, measured=None) -> dict:
     """Every phase of every config, then the per-call rows; returns what the JSON holds. ``rounds`` is
-    rounded up to whole blocks (:func:`alternate`)."""
+    rounded up to whole blocks (:func:`alternate`). ``measured(rows)``, if given, gets the phase rows
+    measured so far after each phase (the CLI keeps them on disk, so a run cut short keeps its rows)."""
     rounds = max(1, rounds)
     gpu = device.type == "cuda"
     configs = configs or (["small", "llama3-8b-2l"] if gpu else ["tiny"])
@@ -375,6 +376,8 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print) -> 
             for r in new:
                 progress(_line(r))
             rows += new
+            if measured is not None:
+                measured(rows)
             if gpu:
                 torch.cuda.empty_cache()
     progress("measuring the per-call rows")
