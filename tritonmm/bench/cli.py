@@ -121,12 +121,14 @@ def model_main(args) -> int:
     else:
         if device.type == "cuda":
             warm_up_gpu()
+        facts = machine_facts() if args.json else None
+
         def measured(rows):  # the phases so far, on disk: a run stopped later keeps them
-            if args.json:
-                _write_json(args, {"phases": rows, "per_call": [], "partial": True})
+            _write_json(args, {"phases": rows, "per_call": [], "partial": True}, facts)
 
         result = model.run(device, args.rounds, args.model_configs, args.model_phases,
-                           progress=lambda m: print(m, file=sys.stderr, flush=True), measured=measured)
+                           progress=lambda m: print(m, file=sys.stderr, flush=True),
+                           measured=measured if args.json else None)
     if device.type == "cpu":
         print("No CUDA GPU: a tiny model on the CPU; these times show tritonmm's host cost per call, not GPU speed.")
     model.print_report(result)
@@ -135,12 +137,12 @@ def model_main(args) -> int:
     return 0
 
 
-def _write_json(args, result: dict) -> None:
-    """``result`` with the machine's facts and the arguments, to ``args.json`` (replaced whole: a reader never
-    sees half a file)."""
+def _write_json(args, result: dict, facts: dict | None = None) -> None:
+    """``result`` with the machine's facts (``facts``, else read now) and the arguments, to ``args.json``
+    (replaced whole: a reader never sees half a file)."""
     tmp = args.json.with_name(args.json.name + ".tmp")
-    tmp.write_text(json.dumps({"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
-                               **result}, indent=1))
+    tmp.write_text(json.dumps({"machine": facts or machine_facts(),
+                               "args": {k: str(v) for k, v in vars(args).items()}, **result}, indent=1))
     os.replace(tmp, args.json)
 
 
@@ -155,8 +157,7 @@ def mlp_main(args) -> int:
                    progress=lambda m: print(m, file=sys.stderr, flush=True))
     mlp.print_report(rows)
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": rows}, indent=1))
+        _write_json(args, {"rows": rows})
     return 0
 
 
@@ -198,12 +199,11 @@ def main(argv=None) -> int:
         inductor_pass(rows, work, args, lambda it: tqdm(it, desc="inductor", file=sys.stderr, mininterval=5))
     summary = summarize(rows)
     print_table(rows, summary)
+    facts = machine_facts() if args.plot or args.json else None
     if args.plot:
-        facts = machine_facts()
         plot(rows, args.plot, f"{facts.get('gpu')}, torch {facts['torch']}, triton {facts['triton']}")
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": rows, "summary": summary}, indent=1))
+        _write_json(args, {"rows": rows, "summary": summary}, facts)
     if args.csv:
         write_csv(rows, args.csv)
     bad = [r for r in rows if r.get("ok") is False or r.get("kernel_ok") is False]
