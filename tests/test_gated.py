@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tritonmm
-from tritonmm import gated
+from tritonmm import activations, gated
 from tritonmm.kernels.gated_launchers import gated_launcher
 from tritonmm.testing import EPS, randn
 
@@ -71,11 +71,13 @@ def test_every_output_element_is_written(kernel):
     assert_close_to_ref(h, x, wg, wu)
 
 
+@pytest.mark.parametrize("M", [13, 40], ids=["gemm_kernel", "cublas_product"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("act", ACTS)
-def test_gradients_match_float64(act, bias):
-    x, wg, wu, bg, bu = operands(13, 40, 56, bias=bias)
-    x = x.view(13, 1, 56)
+def test_gradients_match_float64(act, bias, M, monkeypatch):
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at these sizes too
+    x, wg, wu, bg, bu = operands(M, 40, 56, bias=bias)
+    x = x.view(M, 1, 56)
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu) + ((bg, bu) if bias else ())]
     out = tritonmm.gated_linear(*leaves[:3], *(leaves[3:] or (None, None)), activation=act)
     grad_out = randn(*out.shape)
@@ -123,14 +125,75 @@ def test_no_grad_calls_replay_a_bound_launch_per_geometry():
         tritonmm.gated_linear(randn(9, 40), wg, wu, bg, bu)
 
 
-def test_more_than_gated_max_m_rows_go_to_torch(monkeypatch):
-    calls = _count_gated(monkeypatch)
-    x, wg, wu, _, _ = operands(gated.GATED_MAX_M, 24, 32)
-    tritonmm.gated_linear(x, wg, wu)
-    assert len(calls) == 1
-    big = randn(gated.GATED_MAX_M + 1, 32)
-    torch.testing.assert_close(tritonmm.gated_linear(big, wg, wu), gated.reference(big, wg, wu))
-    assert len(calls) == 1
+def test_more_than_gated_max_m_rows_take_cublas_projections_and_one_product_pass(monkeypatch):
+    """Above GATED_MAX_M rows no gated GEMM kernel is built: cuBLAS projections, then one product pass."""
+    import tritonmm.kernels.gated_launchers as gl
+    from tritonmm import gated_cublas
+
+    launchers, products = [], []
+    real_launcher, real_product = gl.gated_launcher, gated_cublas.product
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at these sizes too
+    monkeypatch.setattr(gl, "gated_launcher", lambda *a, **k: launchers.append(a[1]) or real_launcher(*a, **k))
+    monkeypatch.setattr(gated_cublas, "product", lambda *a: products.append(a[0].shape) or real_product(*a))
+    tritonmm.clear_cache()
+    x, wg, wu, bg, bu = operands(gated.GATED_MAX_M, 24, 32, bias=True)
+    tritonmm.gated_linear(x, wg, wu, bg, bu)
+    assert launchers == [gated.GATED_MAX_M] and products == []
+    big = randn(3, gated.GATED_MAX_M, 32)[:, ::2]  # 24 rows, strided
+    with torch.no_grad():
+        for _ in range(2):  # the second call replays the bound geometry
+            assert_close_to_ref(tritonmm.gated_linear(big, wg, wu, bg, bu), big, wg, wu, bg, bu)
+    assert launchers == [gated.GATED_MAX_M] and products == [(3, 8, 24)] * 2
+
+
+def test_calls_below_product_min_flops_run_the_torch_expression(monkeypatch):
+    """Above GATED_MAX_M rows the product path serves from PRODUCT_MIN_FLOPS per projection, with and without
+    gradients (the no-grad replay too); below it the torch expression, and a fused MLP its own forward."""
+    from tritonmm import gated_cublas
+
+    products = []
+    real = gated_cublas.product
+    monkeypatch.setattr(gated_cublas, "product", lambda *a: products.append(1) or real(*a))
+    x, wg, wu, _, _ = operands(40, 24, 32)
+    mlp = tritonmm.fuse(MLP(hidden=32, inter=24))
+    for threshold, taken in ((2 * 40 * 24 * 32 + 1, 0), (2 * 40 * 24 * 32, 5)):  # 5 forwards
+        monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", threshold)
+        tritonmm.clear_cache()
+        products.clear()
+        xg = x.clone().requires_grad_()
+        out = tritonmm.gated_linear(xg, wg, wu)
+        out.sum().backward()
+        assert_close_to_ref(out.detach(), x, wg, wu)
+        mlp(xg)
+        with torch.no_grad():
+            for _ in range(2):  # the second call: the bound replay
+                assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
+            mlp(x)
+        assert len(products) == taken, threshold
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_product_kernels_against_float64(dtype, act):
+    """The one-pass product and its backward write every element, within one rounding of float64."""
+    from tritonmm.kernels import gated_product
+
+    n = 3 * gated_product.BLOCK + 77  # a partial last block
+    g, u, dh = (randn(n, dtype=dtype) * 3 for _ in range(3))
+    g[:4] = torch.tensor([0.0, -30.0, 30.0, -1e-3])  # zero, saturated and tiny gates
+    h, dg, du = (torch.full((n,), float("nan"), dtype=dtype) for _ in range(3))
+    gated_product.gated_product(g, u, h, act)
+    gated_product.gated_product_backward(dh, g, u, dg, du, act)
+    def expression(g, u, dh):  # torch's: the activation, the product and autograd's backward
+        g = g.detach().requires_grad_()
+        h = activations.apply(g, act) * u
+        return h.detach(), torch.autograd.grad(h, g, dh)[0], dh * activations.apply(g.detach(), act)
+
+    wants = expression(g.double(), u.double(), dh.double())
+    torch_errs = [(t.double() - w).abs().max().item() for t, w in zip(expression(g, u, dh), wants)]
+    for out, want, torch_err in zip((h, dg, du), wants, torch_errs):  # at most twice torch's error, plus a rounding
+        assert not out.isnan().any()
+        assert (out.double() - want).abs().max().item() <= 2 * torch_err + EPS[dtype] * want.abs().max().item()
 
 
 def test_errors_match_torch_types():
@@ -274,20 +337,22 @@ def _count_gated(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("rows", [7, 30], ids=["gemm_kernel", "cublas_product"])
 @pytest.mark.parametrize("act", [nn.SiLU(), nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU()], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_mlp_matches_module_values_and_grads(act, bias, monkeypatch):
+def test_fused_mlp_matches_module_values_and_grads(act, bias, rows, monkeypatch):
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at these sizes too
     torch.manual_seed(0)
     mlp = MLP(act=act, bias=bias)
     fused = tritonmm.fuse(copy.deepcopy(mlp))
     assert type(fused).__name__ == "TritonFusedMLP" and isinstance(fused, MLP)
     calls = _count_gated(monkeypatch)
-    x = randn(2, 7, 48)
+    x = randn(2, rows, 48)
     x1, x2 = x.clone().requires_grad_(), x.double().requires_grad_()
     out = fused(x1)
     ref = copy.deepcopy(mlp).double()
     expected = ref(x2)
-    assert calls, "the gated kernel did not run"
+    assert calls, "the gated linear did not run"
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     out.sum().backward()
     expected.sum().backward()
@@ -349,6 +414,31 @@ def test_hook_on_gate_runs_the_original_forward(monkeypatch):
     assert seen == [torch.Size([3, 80])] and not calls
 
 
+def test_down_proj_runs_as_its_module_would(monkeypatch):
+    """A plain down_proj is called as F.linear, skipping Module.__call__; a hooked, patched or swapped one
+    (whose forward is tritonmm's) as a module, so its hooks and routes apply."""
+    from tritonmm import fusion
+
+    torch.manual_seed(0)
+    mlp = MLP(bias=True)
+    ref = copy.deepcopy(mlp)
+    fused = tritonmm.fuse(mlp)
+    x = randn(3, 48)
+    direct = []
+    monkeypatch.setattr(fusion, "_F_linear", lambda *a: direct.append(a[1]) or F.linear(*a))
+    torch.testing.assert_close(fused(x), ref(x), rtol=1e-5, atol=1e-5)
+    assert len(direct) == 1 and direct[0] is fused.down_proj.weight
+    handle = fused.down_proj.register_forward_hook(lambda m, i, o: o * 2)
+    torch.testing.assert_close(fused(x), 2 * ref(x), rtol=1e-5, atol=1e-5)
+    handle.remove()
+    with tritonmm.patch_linear():
+        torch.testing.assert_close(fused(x), ref(x), rtol=1e-5, atol=1e-5)
+    tritonmm.swap_linear(fused)
+    with tritonmm.force_backend("triton"):  # the swapped down_proj's own route
+        torch.testing.assert_close(fused(x), ref(x), rtol=1e-4, atol=1e-4)
+    assert len(direct) == 1
+
+
 def test_instance_forward_and_backward_hooks_run_the_original_forward(monkeypatch):
     mlp = tritonmm.fuse(MLP())
     calls = _count_gated(monkeypatch)
@@ -383,3 +473,84 @@ def test_compiled_fused_mlp_fullgraph():
     f = torch.compile(mlp, fullgraph=True, backend="aot_eager")
     x = randn(3, 48)
     torch.testing.assert_close(f(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- found by adversarial inputs
+
+
+@pytest.fixture
+def product_path(monkeypatch):
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at CPU test sizes
+
+
+@pytest.mark.parametrize("rows", [4, 17], ids=["gemm_kernel", "cublas_product"])
+def test_relu_gradient_is_a_select_as_torchs(rows, product_path):
+    """A NaN gate passes the gradient, a gate <= 0 gives exactly 0 even where the upstream product is inf."""
+    x, wg, wu = torch.zeros(rows, 4), randn(3, 4), randn(3, 4)
+    bu = torch.tensor([1.0, float("inf"), 1.0])
+    grads = []
+    for f in (tritonmm.gated_linear, gated.reference):
+        bg = torch.tensor([float("nan"), -1.0, 2.0], requires_grad=True)
+        f(x, wg, wu, bg, bu, "relu").sum().backward()
+        grads.append(bg.grad)
+    torch.testing.assert_close(grads[0], grads[1], equal_nan=True)
+
+
+def test_half_underflow_and_infinity_as_eager(product_path):
+    """act(g) is rounded to the output dtype before the product, as eager and the gated GEMM kernel do."""
+    w = torch.zeros(2, 8, dtype=torch.half)
+    bg, bu = torch.tensor([-25.0, -25.0], dtype=torch.half), torch.tensor([float("inf"), 30000.0], dtype=torch.half)
+    for rows in (4, 17):
+        x = torch.zeros(rows, 8, dtype=torch.half)
+        torch.testing.assert_close(tritonmm.gated_linear(x, w, w, bg, bu), gated.reference(x, w, w, bg, bu),
+                                   equal_nan=True)
+
+
+@pytest.mark.parametrize("rows", [4, 17], ids=["gemm_kernel", "cublas_product"])
+def test_saves_what_torch_saves(rows, product_path):
+    """Inputs torch's expression does not save may change in place before the backward (x with frozen weights,
+    biases); inference-mode biases work; a create_graph backward that needs a changed input raises."""
+    wg, wu = randn(4, 8), randn(4, 8)
+    a = randn(rows, 8).requires_grad_()
+    x = a * 1
+    out = tritonmm.gated_linear(x, wg, wu)
+    want = torch.autograd.grad(gated.reference(a * 1, wg, wu).sum(), a)[0]
+    x.add_(1)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), a)[0], want, rtol=1e-4, atol=1e-4)
+    with torch.inference_mode():
+        bg, bu = randn(4), randn(4)
+    xg = randn(rows, 8).requires_grad_()
+    tritonmm.gated_linear(xg, wg, wu, bg, bu).sum().backward()
+    assert xg.grad is not None
+    w = wg.clone().requires_grad_()
+    x = randn(rows, 8).requires_grad_()
+    out = tritonmm.gated_linear(x * 1, w, wu, randn(4), randn(4))
+    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)  # recomputed from the live inputs
+    gx.sum().backward()
+    assert w.grad is not None
+    b = randn(4)
+    out = tritonmm.gated_linear(x, w, wu, b, randn(4))
+    b.add_(1)
+    with pytest.raises(RuntimeError, match="inplace"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def test_batched_gradients_and_vectorized_jacobian(product_path):
+    x, wg, wu, _, _ = operands(17, 4, 8)
+    xg = x.clone().requires_grad_()
+    out = tritonmm.gated_linear(xg, wg, wu)
+    v = randn(2, 17, 4)
+    (got,) = torch.autograd.grad(out, xg, v, is_grads_batched=True)
+    x64 = x.double().requires_grad_()
+    (want,) = torch.autograd.grad(gated.reference(x64, wg.double(), wu.double()), x64, v.double(),
+                                  is_grads_batched=True)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    jac = torch.autograd.functional.jacobian(lambda w: tritonmm.gated_linear(x[:5], w, wu), wg, vectorize=True)
+    want = torch.autograd.functional.jacobian(lambda w: gated.reference(x[:5].double(), w, wu.double()), wg.double())
+    torch.testing.assert_close(jac.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_zero_output_features_with_saved_projections(product_path):
+    for rows in (4, 17):
+        h, g, u = torch.ops.tritonmm.gated_linear(randn(rows, 8), randn(0, 8), randn(0, 8), None, None, "silu", True)
+        assert h.shape == (rows, 0) and g.shape == u.shape == (rows, 0)

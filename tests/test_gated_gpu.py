@@ -1,4 +1,5 @@
-"""The gated GEMM kernels on a GPU: M from 1 to 16384, every candidate config, gradients, compile."""
+"""The gated linear on a GPU: the gated GEMM kernels and the cuBLAS + product path, M from 1 to 16384, every
+candidate config, gradients, compile, CUDA graphs."""
 
 import copy
 
@@ -34,10 +35,11 @@ def _check(h, x, wg, wu, bg=None, bu=None, act="silu"):
 
 @pytest.mark.parametrize("M", [1, 7, 16, 100, 512, 4096, 16384])
 def test_values_over_m(M, monkeypatch):
-    """The kernels at every M (the public call serves M <= GATED_MAX_M with them, the rest with torch)."""
+    """The gated GEMM kernels at every M, and the public call (those kernels up to GATED_MAX_M rows, cuBLAS
+    projections and the one-pass product above)."""
     monkeypatch.setenv("TRITONMM_AUTOTUNE", "0")  # the heuristic's config: no autotuning per M here
     x, wg, wu, _, _ = _operands(M, 5632, 2048)
-    _check(gated.forward(x, wg, wu, None, None, "silu", False)[0], x, wg, wu)
+    _check(gated.forward(x, wg, wu, None, None, "silu", False, kernel=gated.choose_kernel(x, wg, wu))[0], x, wg, wu)
     _check(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
 
 
@@ -68,38 +70,46 @@ def test_autotuned_launch(kernel):
     _check(h, x, wg, wu, act="gelu_tanh")
 
 
-def test_gradients_on_gpu():
-    x, wg, wu, _, _ = _operands(600, 640, 512)
+@pytest.mark.parametrize("M", [16, 600])
+@pytest.mark.parametrize("act", gated.GATED_ACTIVATIONS)
+def test_gradients_on_gpu(M, act, monkeypatch):
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at 600 rows too
+    x, wg, wu, _, _ = _operands(M, 640, 512)
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu)]
-    out = gated._GatedFunction.apply(*leaves, None, None, "silu")  # the kernel's autograd at 600 rows
+    out = tritonmm.gated_linear(*leaves, activation=act)  # the gated kernel at 16 rows, cuBLAS + product at 600
     grad = randn(*out.shape, dtype=BF16, device="cuda")
     out.backward(grad)
     refs = [t.detach().double().requires_grad_() for t in leaves]
-    gated.reference(*refs).backward(grad.double())
+    gated.reference(*refs, activation=act).backward(grad.double())
     for t, r in zip(leaves, refs):
         rel = (t.grad.double() - r.grad).norm() / r.grad.norm()
         assert rel < 2e-2, rel
 
 
-def test_fused_llama_mlp_eager_compiled_and_graphed():
+def test_fused_llama_mlp_eager_compiled_and_graphed(monkeypatch):
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at 512 rows too
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     torch.manual_seed(0)
     mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816)).cuda().to(BF16)
     fused = tritonmm.fuse(copy.deepcopy(mlp))
-    x = randn(2, 8, 1024, dtype=BF16, device="cuda")  # 16 rows: the gated kernel serves
-    with torch.no_grad():
-        want = mlp.double()(x.double()).to(BF16)
-        for got in (fused(x), torch.compile(fused, fullgraph=True)(x)):
-            torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
-        static = x.clone()
-        fused(static)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fused(static)
-        graph.replay()
-        torch.testing.assert_close(out, want, rtol=3e-2, atol=3e-2)
+    ref = copy.deepcopy(mlp).double()
+    compiled = torch.compile(fused, fullgraph=True)
+    for rows in (8, 256):  # 16 rows: the gated kernel serves; 512: cuBLAS projections and the product pass
+        x = randn(2, rows, 1024, dtype=BF16, device="cuda")
+        with torch.no_grad():
+            want = ref(x.double()).to(BF16)
+            for got in (fused(x), compiled(x)):
+                torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+            static = x.clone()
+            fused(static)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fused(static)
+            static.copy_(randn(*x.shape, dtype=BF16, device="cuda"))  # replay reads the new input
+            graph.replay()
+            torch.testing.assert_close(out, ref(static.double()).to(BF16), rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.parametrize("M", [1, 16, 512, 16384])

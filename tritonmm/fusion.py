@@ -6,8 +6,10 @@
   the same way qualify), its three projections are nn.Linear modules running nn.Linear's forward (or
   tritonmm's swapped one), and ``act_fn`` is a known activation (SiLU, GELU, tanh-GELU, ReLU; torch's
   or transformers' modules). At call time the fused forward runs :func:`tritonmm.gated_linear` on the
-  gate and up weights where they are, then ``down_proj`` as a module, for calls of up to
-  :data:`tritonmm.gated.GATED_MAX_M` rows (decode); larger calls run the recognised forward itself.
+  gate and up weights where they are, then ``down_proj`` as a module: one Triton GEMM for up to
+  :data:`tritonmm.gated.GATED_MAX_M` rows (decode); above, cuBLAS projections and one Triton pass for
+  the activation and the product (under ``torch.compile``, the expression Inductor fuses itself); calls
+  above 16 rows and below :data:`tritonmm.gated.PRODUCT_MIN_FLOPS` run the recognised forward.
 * **Linear + activation** in an ``nn.Sequential`` (a Linear as above directly followed by a known
   activation module) run as one :func:`tritonmm.linear` call with the activation in the GEMM's
   epilogue, any number of rows; the Sequential's other modules run as they are. Where every such
@@ -36,9 +38,9 @@ from torch.fx import Proxy as _Proxy
 from torch.nn.modules import module as _module
 
 from .api import linear, torch_planned
-from .gated import GATED_MAX_M, gated_linear
+from .gated import gated_linear, torch_serves
 from .modes import PLAIN
-from .nn import _original_forward, _patched_forward, settle, settled_class
+from .nn import _original_forward, _patched_forward, _settled_forward, settle, settled_class
 
 
 def _llama_mlp_forward(self, x):  # transformers' LlamaMLP.forward, verbatim: the form fuse recognizes
@@ -157,23 +159,31 @@ def _global_hooks() -> bool:
                 or _module._global_backward_pre_hooks)
 
 
+_MISSING = object()
+_F_linear = F.linear
+_TORCH_LINEAR_FORWARDS = (_original_forward, _settled_forward)
+
+
+def _param(m, name):
+    """``m.<name>`` read from ``_parameters`` directly (nn.Module.__getattr__ where it is not there)."""
+    p = m._parameters.get(name, _MISSING)
+    return getattr(m, name) if p is _MISSING else p
+
+
 def _fused_forward(self, x):
-    if _is_compiling():
-        small = True  # gated_linear decides at trace time
-    else:
-        try:
-            small = type(x) is not _Proxy and x.numel() <= GATED_MAX_M * x.shape[-1]
-        except (AttributeError, IndexError, TypeError, RuntimeError):
-            small = False
-    gate, up, act = self.gate_proj, self.up_proj, self.act_fn
-    if small:  # larger calls: the module's own forward (cuBLAS)
+    mods = self._modules
+    gate, up, act, down = mods.get("gate_proj"), mods.get("up_proj"), mods.get("act_fn"), mods.get("down_proj")
+    if type(x) is not _Proxy and gate is not None and up is not None and down is not None:  # (fx records modules)
         name = activation_name(act)
         if name is not None and _linear_type(gate) and _linear_type(up) and not (
                 _hooked(gate) or _hooked(up) or _hooked(act) or _global_hooks()):
-            wg, wu, bg, bu = gate.weight, up.weight, gate.bias, up.bias
-            if _plain_params(wg, bg) and _plain_params(wu, bu):
-                return self.down_proj(gated_linear(x, wg, wu, bg, bu, name))
-    return self.down_proj(act(gate(x)) * up(x))  # the recognised forward, written out
+            wg, wu, bg, bu = _param(gate, "weight"), _param(up, "weight"), _param(gate, "bias"), _param(up, "bias")
+            if _plain_params(wg, bg) and _plain_params(wu, bu) and (_is_compiling() or not torch_serves(x, wg)):
+                h = gated_linear(x, wg, wu, bg, bu, name)
+                if type(down).forward in _TORCH_LINEAR_FORWARDS and _linear_type(down) and not _hooked(down):
+                    return _F_linear(h, _param(down, "weight"), _param(down, "bias"))  # its forward, without __call__
+                return down(h)
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # the recognised forward, written out
 
 
 def _fused_sequential_forward(self, input):

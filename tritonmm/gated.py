@@ -1,12 +1,16 @@
-"""The gated linear: ``act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)`` as one GEMM.
+"""The gated linear: ``act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)`` in fewer kernels.
 
-This is the first half of a Llama-family MLP (gate and up projections, SiLU, product). The Triton
-kernels (:mod:`tritonmm.kernels.gated`) read x once for both projections and write only the
-product, instead of two projections, the activation and the product as four tensors.
+This is the first half of a Llama-family MLP (gate and up projections, SiLU, product). Up to
+:data:`GATED_MAX_M` rows the Triton GEMM kernels (:mod:`tritonmm.kernels.gated`) read x once for both
+projections and write only the product, instead of two projections, the activation and the product
+as four tensors. Above, from :data:`PRODUCT_MIN_FLOPS`, cuBLAS runs the two projections and one Triton pass
+(:mod:`tritonmm.gated_cublas`) computes the activation and the product, where eager runs two; smaller
+calls run the torch expression.
 
 Autograd: where a gradient is needed the forward also stores the two projections (rounded to the
-output dtype, as F.linear's outputs are); the backward uses them (no recomputation) and runs its
-four GEMMs on cuBLAS. A backward with ``create_graph=True`` (double backward) differentiates the
+output dtype, as F.linear's outputs are); the backward uses them (no recomputation): one Triton pass
+computes both projections' gradients from them, and its four GEMMs run on cuBLAS, the input's
+gradient as one addmm. A backward with ``create_graph=True`` (double backward) differentiates the
 torch expression, recomputed. Under ``torch.autocast`` the inputs are cast as F.linear casts them (weight
 casts reused within the region). Plain eager calls launch the kernel directly; other modes
 (``torch.compile``, ``torch.export``, tensor subclasses) go through the ``tritonmm::gated_linear``
@@ -24,16 +28,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import activations, device as _device, modes, routes, runners
-from ._env import interpreting
+from . import activations, device as _device, gated_cublas, gated_grads, modes, routes, runners
+from ._env import interpreting, raw_name
 
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GATED_MAX_M = 16
-"""Rows (M) up to which the gated kernel serves a call: decode-sized GEMMs, memory- and launch-bound,
-where one kernel instead of four saves launches and a pass over the projections. Above it the torch
-expression serves (cuBLAS GEMMs): on the H200 the gated kernels ran at 0.82-0.91x of eager from
-M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``, ``kernel_ratio``)."""
+"""Rows (M) up to which the gated GEMM kernel serves a call: decode-sized GEMMs, memory- and launch-bound,
+where one kernel instead of four saves launches and a pass over the projections. Above it cuBLAS runs
+the projections and one Triton pass the activation and product: on the H200 the gated GEMM kernels ran
+at 0.82-0.91x of eager from M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``,
+``kernel_ratio``)."""
+PRODUCT_MIN_FLOPS = 2**36
+"""FLOP per projection (2·M·N·K) from which calls of more than :data:`GATED_MAX_M` rows take the cuBLAS +
+product path; smaller ones run the torch expression (eager's kernels), where the host sets the pace and
+the path's host time costs more than its pass saves. On the H200, with the path at any size: a TinyLlama
+MLP (2048 / 5632) forward + backward at 512 rows (1.2e10 FLOP per projection) ran at 0.74x of eager, and
+in the small model of ``benchmarks/h200_model.json`` (1024 / 2816) eager prefill of 512 and 4096 tokens
+(3e9 and 2.4e10 FLOP) with ``fuse`` at 0.95-0.96x; from 6e10 FLOP (Llama-3-8B's MLP at 512 rows,
+TinyLlama's at 4096) the GPU sets the pace and the forward ran at 1.01-1.05x, forward + backward at
+0.99-1.06x (``benchmarks/h200_mlp.json``)."""
 TMA_MIN_M = 64
 """Rows above which the persistent TMA kernel serves (on sm_90+, aligned operands; reached by
 :func:`forward` callers that pass larger M); the pointer kernel's small-M tiles serve the rest."""
@@ -78,8 +92,9 @@ def kernel_shaped(x, w_gate, w_up, b_gate, b_up) -> bool:
 
 
 def kernel_serves(x: Tensor) -> bool:
-    """Whether the gated kernel serves this problem: dtype, device, 1 to :data:`GATED_MAX_M` rows."""
-    if x.dtype not in _KERNEL_DTYPES or x.numel() == 0 or x.numel() > GATED_MAX_M * x.shape[-1]:
+    """Whether the Triton kernels serve this problem (any number of rows, :func:`forward`): dtype, device,
+    a nonempty problem."""
+    if x.dtype not in _KERNEL_DTYPES or x.numel() == 0:
         return False
     return x.device.type == "cuda" or x.device.type == "cpu" and interpreting()
 
@@ -101,16 +116,20 @@ def _unit_last(t: Tensor) -> Tensor:
 
 def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: str, save: bool,
             kernel: Optional[str] = None, config: Optional[dict] = None):
-    """Run the kernel on a :func:`kernel_shaped` call: (h, g, u), h of shape (*x.shape[:-1], N); g and u
-    (M, N) when ``save``, else None."""
+    """Run a :func:`kernel_shaped` call: (h, g, u), h of shape (*x.shape[:-1], N); g and u (M, N) when
+    ``save``, else None. The gated GEMM ``kernel`` ("pointer" or "tma"; default: the one that serves
+    this problem) for up to :data:`GATED_MAX_M` rows or where ``kernel`` is given; else cuBLAS
+    projections and the one-pass product."""
     from .kernels.gated_launchers import gated_launcher
     from .kernels.launch import LAUNCH_FAILURES
 
     N, K = w_gate.shape
     lead = x.shape[:-1]
+    M = x.numel() // K if K else x.shape[:-1].numel()
+    if kernel is None and M > GATED_MAX_M:
+        return gated_cublas.forward(x, w_gate, w_up, b_gate, b_up, activation, save)
     x2 = _unit_last(x.reshape(-1, K))
     w_gate, w_up = _unit_last(w_gate), _unit_last(w_up)
-    M = x2.shape[0]
     if kernel is None or kernel == "tma" and not _tma_ok(x2, w_gate, w_up):
         kernel = choose_kernel(x2, w_gate, w_up)
     bias_strides = None if b_gate is None else (b_gate.stride(0), b_up.stride(0))
@@ -155,64 +174,19 @@ def _failed(x2, w_gate, w_up, b_gate, b_up, h, g, u, activation):
         u.copy_(up)
 
 
-def backward(grad_h: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, g: Tensor, u: Tensor, activation: str,
-             needs: tuple):
-    """Gradients for (x, w_gate, w_up, b_gate, b_up) from the saved projections ``g``, ``u`` (M, N);
-    None where ``needs`` (five bools) says none is wanted."""
-    N, K = w_gate.shape
-    dh = grad_h.reshape(-1, N)
-    with torch.enable_grad():
-        g_ = g.detach().requires_grad_()
-        act = activations.apply(g_, activation)
-    d_gate = torch.autograd.grad(act, g_, dh * u)[0] if any(needs[i] for i in (0, 1, 3)) else None
-    d_up = dh * act.detach() if any(needs[i] for i in (0, 2, 4)) else None
-    x2 = x.reshape(-1, K)
-    dx = dwg = dwu = dbg = dbu = None
-    if needs[0]:
-        dx = torch.addmm(d_gate @ w_gate, d_up, w_up).view(x.shape)
-    if needs[1]:
-        dwg = d_gate.t() @ x2
-    if needs[2]:
-        dwu = d_up.t() @ x2
-    if needs[3]:
-        dbg = d_gate.sum(0)
-    if needs[4]:
-        dbu = d_up.sum(0)
-    return dx, dwg, dwu, dbg, dbu
-
-
-def _graph_backward(grad_h, x, w_gate, w_up, b_gate, b_up, activation, needs):
-    """The gradients as a differentiable graph (backward with ``create_graph=True``: double backward,
-    gradient penalties): the torch expression recomputed and differentiated."""
-    inputs = (x, w_gate, w_up, b_gate, b_up)
-    wanted = [t for t, n in zip(inputs, needs) if n]
-    with torch.enable_grad():
-        grads = iter(torch.autograd.grad(reference(*inputs, activation), wanted, grad_h, create_graph=True,
-                                         allow_unused=True))
-    return tuple(next(grads) if n else None for n in needs)
-
-
-def _saved_backward(ctx, grad_h):
-    x, w_gate, w_up, b_gate, b_up, g, u = ctx.saved_tensors
-    needs = tuple(ctx.needs_input_grad[:5])
-    if torch.is_grad_enabled():  # create_graph=True
-        return _graph_backward(grad_h, x, w_gate, w_up, b_gate, b_up, ctx.activation, needs)
-    return backward(grad_h, x, w_gate, w_up, g, u, ctx.activation, needs)
-
-
 class _GatedFunction(torch.autograd.Function):
     """The gated linear in eager mode with autograd: kernel forward, saved projections, cuBLAS backward."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, b_gate, b_up, activation):
         h, g, u = forward(x, w_gate, w_up, b_gate, b_up, activation, True)
-        ctx.save_for_backward(x, w_gate, w_up, b_gate, b_up, g, u)
+        gated_grads.save(ctx, x, w_gate, w_up, b_gate, b_up, g, u)
         ctx.activation = activation
         return h
 
     @staticmethod
     def backward(ctx, grad_h):
-        return (*_saved_backward(ctx, grad_h), None)
+        return (*gated_grads.saved_backward(ctx, grad_h), None)
 
 
 @torch.library.custom_op("tritonmm::gated_linear", mutates_args=())
@@ -221,8 +195,8 @@ def _gated_op(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor],
     if not (kernel_serves(x) and kernel_shaped(x, w_gate, w_up, b_gate, b_up)):
         gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
         h = activations.apply(gate, activation) * up
-        N = w_gate.shape[0]
-        return (h, gate.reshape(-1, N), up.reshape(-1, N)) if save else (h, x.new_empty(0), x.new_empty(0))
+        M, N = x.shape[:-1].numel(), w_gate.shape[0]
+        return (h, gate.reshape(M, N), up.reshape(M, N)) if save else (h, x.new_empty(0), x.new_empty(0))
     h, g, u = forward(x, w_gate, w_up, b_gate, b_up, activation, save)
     return (h, g, u) if save else (h, x.new_empty(0), x.new_empty(0))
 
@@ -237,14 +211,15 @@ def _gated_fake(x, w_gate, w_up, b_gate, b_up, activation, save):
     return h, x.new_empty((M, N)), x.new_empty((M, N))
 
 
-def _op_setup_context(ctx, inputs, output):
+def _op_setup_context(ctx, inputs, output):  # every input saved: traced graphs choose what they keep
     x, w_gate, w_up, b_gate, b_up, activation, save = inputs
     ctx.save_for_backward(x, w_gate, w_up, b_gate, b_up, output[1], output[2])
+    ctx.x_shape = x.shape
     ctx.activation = activation
 
 
 def _op_backward(ctx, grad_h, _grad_g, _grad_u):
-    return (*_saved_backward(ctx, grad_h), None, None)
+    return (*gated_grads.saved_backward(ctx, grad_h), None, None)
 
 
 _gated_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -294,7 +269,9 @@ def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[T
 _fast: dict = {}
 _FAST_MAX = 1024
 _grad_enabled = torch.is_grad_enabled
+_F_linear = F.linear
 _any_autocast = torch._C._is_any_autocast_enabled
+_INTERPRET = raw_name("TRITON_INTERPRET")
 
 
 def _fast_key(x, wg, wu, bg, bu, activation):
@@ -308,7 +285,8 @@ def _fast_key(x, wg, wu, bg, bu, activation):
         return None
     return (type(x), type(wg), type(wu), x.shape, x.stride(), x.dtype, x.device, wg.shape, wg.stride(), wg.dtype,
             wg.device, wu.shape, wu.stride(), wu.dtype, wu.device, x.data_ptr() & 15, wg.data_ptr() & 15,
-            wu.data_ptr() & 15, activation, _bias_key(bg), _bias_key(bu), routes.raw_get(routes._AUTOTUNE))
+            wu.data_ptr() & 15, activation, _bias_key(bg), _bias_key(bu), routes.raw_get(routes._AUTOTUNE),
+            routes.raw_get(_INTERPRET))
 
 
 def _bias_key(b):
@@ -319,8 +297,8 @@ def _fast_eligible(x, wg, wu, bg, bu) -> bool:
     """Whether a call whose key was taken can be replayed by a bound launch: plain tensors the kernel
     serves, unit column strides, no pending negation or zero tensor."""
     tensors = (x, wg, wu, bg, bu)
-    return (kernel_serves(x) and kernel_shaped(*tensors) and modes.plain(*tensors) and modes.eager()
-            and not modes.torch_only(*tensors) and wg.stride(-1) == 1 and wu.stride(-1) == 1)
+    return (kernel_serves(x) and kernel_shaped(*tensors) and not _below_product_flops(x, wg) and modes.plain(*tensors)
+            and modes.eager() and not modes.torch_only(*tensors) and wg.stride(-1) == 1 and wu.stride(-1) == 1)
 
 
 def _remember(key, x, wg, wu, bg, bu, activation) -> None:
@@ -331,20 +309,27 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
     contiguous = x2.stride(-1) != 1 and x2.shape[-1] != 1
     if contiguous:
         x2 = x2.contiguous()
-    kernel = choose_kernel(x2, wg, wu)
-    launch = _launchers.get(_launcher_key(kernel, x2, wg, wu, None if bg is None else (bg.stride(0), bu.stride(0)),
-                                          False, activation, None))
-    if launch is None or isinstance(launch, functools.partial) or M == 0:  # not built, failed, or empty
-        return
     dtype, device, out_shape = x.dtype, x.device, (*lead, N)
+    if M > GATED_MAX_M:
+        def run(x, wg, wu, bg, bu):  # cuBLAS projections, one-pass product into the gate's buffer
+            g = _F_linear(x, wg, bg)
+            gated_cublas.product(g, _F_linear(x, wu, bu), g, activation)
+            return g
+    else:
+        kernel = choose_kernel(x2, wg, wu)
+        launch = _launchers.get(_launcher_key(kernel, x2, wg, wu,
+                                              None if bg is None else (bg.stride(0), bu.stride(0)), False, activation,
+                                              None))
+        if launch is None or isinstance(launch, functools.partial) or M == 0:  # not built, failed, or empty
+            return
 
-    def run(x, wg, wu, bg, bu):
-        x2 = x.reshape(M, K)
-        if contiguous:
-            x2 = x2.contiguous()
-        h = torch.empty((M, N), dtype=dtype, device=device)
-        launch(x2, wg, wu, bg, bu, h, None, None)
-        return h.view(out_shape)
+        def run(x, wg, wu, bg, bu):
+            x2 = x.reshape(M, K)
+            if contiguous:
+                x2 = x2.contiguous()
+            h = torch.empty((M, N), dtype=dtype, device=device)
+            launch(x2, wg, wu, bg, bu, h, None, None)
+            return h.view(out_shape)
 
     if len(_fast) >= _FAST_MAX:
         _fast.clear()
@@ -355,6 +340,23 @@ def clear_cache() -> None:
     """Forget the gated launchers and bound replays."""
     _fast.clear()
     _launchers.clear()
+    gated_cublas.clear_cache()
+
+
+def _below_product_flops(x, w_gate, *_) -> bool:
+    """More than :data:`GATED_MAX_M` rows, under :data:`PRODUCT_MIN_FLOPS` per projection (static sizes)."""
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    return GATED_MAX_M < rows and 2 * rows * w_gate.shape[0] * K < PRODUCT_MIN_FLOPS
+
+
+def torch_serves(x, w_gate) -> bool:
+    """Whether an eager call is served by the torch expression (:data:`PRODUCT_MIN_FLOPS`), for callers that
+    can run it more cheaply themselves (a fused module: its own forward)."""
+    try:
+        return _below_product_flops(x, w_gate)
+    except (AttributeError, IndexError, TypeError, RuntimeError):  # invalid operands: gated_linear raises
+        return False
 
 
 def _gated_linear(input, w_gate, w_up, b_gate, b_up, activation):
@@ -371,6 +373,8 @@ def _gated_linear(input, w_gate, w_up, b_gate, b_up, activation):
     if torch._C._is_any_autocast_enabled():
         tensors = _autocast(*tensors)
     if not (kernel_serves(tensors[0]) and kernel_shaped(*tensors)):
+        return reference(*tensors, activation)
+    if _below_product_flops(*tensors):
         return reference(*tensors, activation)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if not (modes.eager() and all(t is None or type(t) in modes.PLAIN for t in tensors)):

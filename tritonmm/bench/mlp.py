@@ -4,9 +4,9 @@ For each config and token count M, alternated round by round in one process (med
 between ``torch.cuda.synchronize()`` calls, as in :mod:`tritonmm.bench.model`):
 
 * ``eager``: the module as transformers runs it (gate, up, SiLU, product, down: five kernels);
-* ``fused``: the same module after :func:`tritonmm.fuse` (the gated GEMM, then down, up to
-  ``gated.GATED_MAX_M`` rows; the module's own forward above);
-* ``kernel``: the gated kernel at any M, then the down GEMM (what ``fused`` would be without that limit);
+* ``fused``: the same module after :func:`tritonmm.fuse` (the gated GEMM kernel, then down, up to
+  ``gated.GATED_MAX_M`` rows; cuBLAS projections, one Triton pass for SiLU and the product, then down, above);
+* ``kernel``: the gated GEMM kernel at any M, then the down GEMM (what ``fused`` would be without that limit);
 * ``bound``: cuBLAS on x @ [Wg; Wu]^T and the down GEMM, no elementwise pass: what a perfect fused
   kernel at cuBLAS speed would take;
 * ``compile``: ``torch.compile`` of the module (SiLU and the product fused by Inductor, GEMMs on cuBLAS).
@@ -63,8 +63,9 @@ def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> 
         w_cat = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
         w_down = mlp.down_proj.weight.detach()
 
-        def kernel(x):  # the gated kernel at any M (fuse uses it up to GATED_MAX_M rows), then down
-            h = gated.forward(x, mlp.gate_proj.weight, mlp.up_proj.weight, None, None, "silu", False)[0]
+        def kernel(x):  # the gated GEMM kernel at any M (fuse uses it up to GATED_MAX_M rows), then down
+            wg, wu = mlp.gate_proj.weight, mlp.up_proj.weight
+            h = gated.forward(x, wg, wu, None, None, "silu", False, kernel=gated.choose_kernel(x, wg, wu))[0]
             return torch.nn.functional.linear(h, w_down)
 
         def bound(x):

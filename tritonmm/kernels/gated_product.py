@@ -1,0 +1,105 @@
+"""The gated product ``act(g) * u`` of two projections as one elementwise pass, and its backward.
+
+Where cuBLAS runs the gate and up GEMMs (calls of more rows than the gated GEMM kernel serves), a
+Llama-family MLP still needs the activation and the product: eager PyTorch runs them as two kernels
+(read g, write act(g); read act(g) and u, write h), this as one (read g and u, write h). The backward
+reads the upstream gradient, g and u once and writes both gradients, where eager autograd runs three
+kernels. Values are computed in fp32; act(g) and the product's gradient are rounded to the output dtype
+where eager rounds them, so infinities and NaNs come out as eager's.
+
+Launchers are bound per (size, dtype, device, activation, alignment) and launch the compiled kernel
+directly after the first call (:class:`.launch.DirectLaunch`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._env import interpreting
+from .common import _activation, _to_output
+from .launch import LAUNCH_FAILURES, DirectLaunch  # noqa: F401 (LAUNCH_FAILURES: for the callers)
+
+BLOCK = 1024
+NUM_WARPS = 4
+_LAUNCHERS_MAX = 1024
+_launchers: dict = {}
+
+
+@triton.jit
+def _activation_grad(x, ACTIVATION: tl.constexpr):
+    """d act(x) / dx on fp32 values for "gelu", "gelu_tanh" and "silu" (the derivatives torch's backward
+    formulas use; ReLU's backward is a select, in the kernel)."""
+    if ACTIVATION == "gelu":
+        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        d = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    elif ACTIVATION == "gelu_tanh":
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        inner = tl.minimum(tl.maximum(inner, -20.0), 20.0)  # as in _activation: tanh is +-1 in fp32 there
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+    else:  # silu
+        s = tl.sigmoid(x)
+        d = s * (1.0 + x * (1.0 - s))
+    return d
+
+
+@triton.jit
+def _gated_product_kernel(g_ptr, u_ptr, h_ptr, n, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask).to(tl.float32)
+    dtype = h_ptr.dtype.element_ty
+    a = _to_output(_activation(g, ACTIVATION), dtype, UPCAST).to(tl.float32)  # rounded as eager rounds act(g)
+    tl.store(h_ptr + offs, _to_output(a * u, dtype, UPCAST), mask=mask)
+
+
+@triton.jit
+def _gated_product_backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, ACTIVATION: tl.constexpr,
+                                   UPCAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dh = tl.load(dh_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask).to(tl.float32)
+    dtype = dg_ptr.dtype.element_ty
+    a = _to_output(_activation(g, ACTIVATION), dtype, UPCAST).to(tl.float32)
+    tl.store(du_ptr + offs, _to_output(dh * a, dtype, UPCAST), mask=mask)
+    d_act = _to_output(dh * u, dtype, UPCAST).to(tl.float32)  # the product's gradient, rounded as eager's
+    if ACTIVATION == "relu":  # as torch's threshold_backward: a select, so NaN gates pass and others give 0
+        dg = tl.where(g <= 0.0, 0.0, d_act)
+    else:
+        dg = d_act * _activation_grad(g, ACTIVATION)
+    tl.store(dg_ptr + offs, _to_output(dg, dtype, UPCAST), mask=mask)
+
+
+def _launcher(fn, tensors, activation: str) -> DirectLaunch:
+    t = tensors[0]
+    n = t.numel()
+    key = (fn, n, t.dtype, t.device, activation, tuple(x.data_ptr() % 16 == 0 for x in tensors))
+    launch = _launchers.get(key)
+    if launch is None:
+        if len(_launchers) >= _LAUNCHERS_MAX:
+            _launchers.clear()
+        upcast = interpreting() and t.dtype == torch.bfloat16
+        launch = _launchers[key] = DirectLaunch(fn, (triton.cdiv(n, BLOCK),), dict(
+            ACTIVATION=activation, UPCAST=upcast, BLOCK=BLOCK, num_warps=NUM_WARPS))
+    return launch
+
+
+def gated_product(g: torch.Tensor, u: torch.Tensor, h: torch.Tensor, activation: str) -> None:
+    """``h = act(g) * u`` for contiguous tensors of one size, dtype and device (``h`` may be ``g``)."""
+    _launcher(_gated_product_kernel, (g, u, h), activation)((g, u, h, g.numel()))
+
+
+def gated_product_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,
+                           activation: str) -> None:
+    """``dg = dh * u * act'(g)`` and ``du = dh * act(g)`` for contiguous tensors of one size, dtype and device."""
+    _launcher(_gated_product_backward_kernel, (dh, g, u, dg, du), activation)((dh, g, u, dg, du, g.numel()))
+
+
+def clear_cache() -> None:
+    _launchers.clear()
