@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import activations, device as _device, gated_cublas, gated_grads, modes, routes, runners
-from ._env import interpreting, raw_name
+from ._env import raw_name
 
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_KERNEL_DTYPES = gated_cublas.KERNEL_DTYPES
 GATED_MAX_M = 16
 """Rows (M) up to which the gated GEMM kernel serves a call: decode-sized GEMMs, memory- and launch-bound,
 where one kernel instead of four saves launches and a pass over the projections. Above it cuBLAS runs
@@ -94,9 +94,7 @@ def kernel_shaped(x, w_gate, w_up, b_gate, b_up) -> bool:
 def kernel_serves(x: Tensor) -> bool:
     """Whether the Triton kernels serve this problem (any number of rows, :func:`forward`): dtype, device,
     a nonempty problem."""
-    if x.dtype not in _KERNEL_DTYPES or x.numel() == 0:
-        return False
-    return x.device.type == "cuda" or x.device.type == "cpu" and interpreting()
+    return x.numel() != 0 and gated_cublas.serves(x)
 
 
 def _tma_ok(*tensors) -> bool:
@@ -125,7 +123,7 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
 
     N, K = w_gate.shape
     lead = x.shape[:-1]
-    M = x.numel() // K if K else x.shape[:-1].numel()
+    M = lead.numel()
     if kernel is None and M > GATED_MAX_M:
         return gated_cublas.forward(x, w_gate, w_up, b_gate, b_up, activation, save)
     x2 = _unit_last(x.reshape(-1, K))
@@ -305,17 +303,17 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
     """Bind the geometry's launcher (built by the call just served) into a replay of that call."""
     N, K = wg.shape
     lead, M = x.shape[:-1], x.numel() // K if K else 0
-    x2 = x.reshape(-1, K)
-    contiguous = x2.stride(-1) != 1 and x2.shape[-1] != 1
-    if contiguous:
-        x2 = x2.contiguous()
-    dtype, device, out_shape = x.dtype, x.device, (*lead, N)
     if M > GATED_MAX_M:
         def run(x, wg, wu, bg, bu):  # cuBLAS projections, one-pass product into the gate's buffer
             g = _F_linear(x, wg, bg)
             gated_cublas.product(g, _F_linear(x, wu, bu), g, activation)
             return g
     else:
+        x2 = x.reshape(-1, K)
+        contiguous = x2.stride(-1) != 1 and x2.shape[-1] != 1
+        if contiguous:
+            x2 = x2.contiguous()
+        dtype, device, out_shape = x.dtype, x.device, (*lead, N)
         kernel = choose_kernel(x2, wg, wu)
         launch = _launchers.get(_launcher_key(kernel, x2, wg, wu,
                                               None if bg is None else (bg.stride(0), bu.stride(0)), False, activation,

@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from . import activations, modes, runners
 from ._env import interpreting
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""The dtypes the Triton kernels of the gated linear take."""
 
 
 def serves(t: torch.Tensor) -> bool:
     """Whether the product kernels take ``t``'s dtype and device (CUDA, or the CPU under the interpreter)."""
-    return t.dtype in _KERNEL_DTYPES and (t.device.type == "cuda" or t.device.type == "cpu" and interpreting())
+    return t.dtype in KERNEL_DTYPES and (t.device.type == "cuda" or t.device.type == "cpu" and interpreting())
 
 
 def forward(x, w_gate, w_up, b_gate, b_up, activation, save):
@@ -30,8 +31,7 @@ def forward(x, w_gate, w_up, b_gate, b_up, activation, save):
     M, N = x.shape[:-1].numel(), w_gate.shape[0]
     g, u = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
     h = torch.empty_like(g) if save else g
-    if g.numel():
-        product(g, u, h, activation)
+    product(g, u, h, activation)
     return (h, g.view(M, N), u.view(M, N)) if save else (h, None, None)
 
 
@@ -48,6 +48,8 @@ def _load():
 
 def product(g, u, h, activation) -> None:
     """``h = act(g) * u`` in one pass (contiguous tensors of one size, dtype and device; ``h`` may be ``g``)."""
+    if not g.numel():
+        return
     kernels = _kernels or _load()
     try:
         kernels.gated_product(g, u, h, activation)
