@@ -298,6 +298,113 @@ def test_settled_layer_costs_nothing_and_unsettles(everything_torch, monkeypatch
     assert type(model[0]) is torch.nn.Linear and type(model[2]) is torch.nn.Linear
 
 
+class Doubled(torch.nn.Linear):
+    def forward(self, input):
+        return super().forward(input) * 2
+
+
+class Scale(torch.nn.Module):
+    def forward(self, w):
+        return w * 0.5
+
+
+class Kinded(torch.nn.Linear):
+    kinds: dict = {}
+
+    def __init_subclass__(cls, *, kind, **kwargs):
+        super().__init_subclass__(**kwargs)
+        Kinded.kinds[kind] = cls
+
+
+class Mine(Kinded, kind="mine"):
+    pass
+
+
+def test_patched_layers_settle_until_unpatched(everything_torch, monkeypatch):
+    """Under patch_linear a layer whose weight every GEMM sends to torch settles as a swapped one does: a
+    subclass of its own class running nn.Linear's forward (no tritonmm code per call). Subclasses with a
+    forward of their own, lazy and parametrized modules do not settle; pickling and deepcopy give the
+    module's own class; swap_linear swaps it from its own class; unpatch_linear restores every class."""
+    import copy
+    import io
+
+    from torch.nn.utils import parametrize
+
+    from tritonmm import nn as tnn
+
+    looked = []
+    monkeypatch.setattr(tnn, "_plans_get", lambda k: looked.append(k) or routes.plans.get(k))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), Doubled(8, 8), torch.nn.Linear(8, 4))
+    tied = torch.nn.Linear(8, 4)
+    parametrize.register_parametrization(tied, "weight", Scale())
+    x = randn(3, 16)
+    want, want_tied = model(x).detach(), tied(x[:, :8]).detach()
+    settled = lambda m: "_tritonmm_unsettled" in type(m).__dict__  # noqa: E731
+    with tritonmm.patch_linear():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+            torch.testing.assert_close(tied(x[:, :8]), want_tied, rtol=0, atol=0)
+        assert settled(model[0]) and settled(model[3]) and not settled(model[2]) and not settled(tied)
+        assert isinstance(model[0], torch.nn.Linear) and type(model[0]).__name__ == "Linear"
+        before = len(looked)
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+        assert len(looked) - before == 1  # only Doubled's call (super().forward: the patched forward) looked
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        for other in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+            assert type(other[0]) is torch.nn.Linear and type(other[2]) is Doubled
+            torch.testing.assert_close(other(x), want, rtol=0, atol=0)
+        model[3].weight = torch.nn.Parameter(model[3].weight.detach() * 3)
+        assert not settled(model[3]) and type(model[3]) is torch.nn.Linear  # replaced: decided again
+        want = model(x).detach()
+        model(x)
+        assert settled(model[3])
+        swapped = tritonmm.swap_linear(copy.copy(model))  # (the same modules)
+        assert "_tritonmm_base" in type(model[0]).__dict__ and type(model[0]).__dict__["_tritonmm_base"] is torch.nn.Linear
+        tritonmm.unswap_linear(swapped)
+        model(x), model(x)
+        assert settled(model[0])
+    assert type(model[0]) is torch.nn.Linear and type(model[3]) is torch.nn.Linear and type(model[2]) is Doubled
+    before = len(looked)
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    assert len(looked) == before  # unpatched: nn.Linear's own forward
+    with tritonmm.patch_linear():
+        model(x), model(x)
+        assert settled(model[0])
+        with tritonmm.force_backend("torch"):  # forcing unsettles
+            assert not settled(model[0])
+            model(x)
+            assert not settled(model[0])
+
+
+def test_patched_settled_layers_pickle_without_tritonmm_and_stay_out_of_user_classes(everything_torch):
+    """A settled layer pickles as its own class (no reference to tritonmm in the bytes); a parametrization
+    registered after it settled is built on its own class (removing it gives that class back); a class with
+    an __init_subclass__ of its own is never subclassed by tritonmm."""
+    import io
+    import pickle
+
+    from torch.nn.utils import parametrize
+
+    lin, mine, x = torch.nn.Linear(16, 8), Mine(16, 8), randn(3, 16)
+    with tritonmm.patch_linear():
+        lin(x), lin(x), mine(x), mine(x)
+        assert "_tritonmm_patched" in type(lin).__dict__ and type(mine) is Mine and Kinded.kinds == {"mine": Mine}
+        for data in (pickle.dumps(lin), pickle.dumps(lin, protocol=0)):
+            assert b"tritonmm" not in data and type(pickle.loads(data)) is torch.nn.Linear
+        lin(x), lin(x)
+        buf = io.BytesIO()
+        torch.save(lin, buf)
+        assert b"tritonmm" not in buf.getvalue()
+        lin(x), lin(x)
+        parametrize.register_parametrization(lin, "weight", Scale())
+        assert type(lin).__bases__ == (torch.nn.Linear,)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+    parametrize.remove_parametrizations(lin, "weight")
+    assert type(lin) is torch.nn.Linear
+
+
 def test_settled_layer_under_compile(everything_torch):
     model = tritonmm.swap_linear(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.GELU()))
     x = randn(4, 16)

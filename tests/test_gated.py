@@ -439,6 +439,31 @@ def test_down_proj_runs_as_its_module_would(monkeypatch):
     assert len(direct) == 1
 
 
+def test_projections_settled_under_patch_linear_still_fuse(monkeypatch):
+    """patch_linear settles layers whose weights go to cuBLAS into a subclass of their class: a fused MLP
+    still recognises such projections, and calls such a down_proj as F.linear."""
+    from tritonmm import dispatch, fusion
+
+    monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: True)
+    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device: True)
+    tritonmm.clear_cache()  # decisions cached by earlier tests
+    torch.manual_seed(0)
+    mlp = MLP()
+    ref = copy.deepcopy(mlp)
+    x = randn(3, 48)
+    with tritonmm.patch_linear():
+        mlp(x), mlp(x)
+        assert all("_tritonmm_patched" in type(m).__dict__ for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        fused = tritonmm.fuse(mlp)
+        calls = _count_gated(monkeypatch)
+        direct = []
+        monkeypatch.setattr(fusion, "_F_linear", lambda *a: direct.append(a[1]) or F.linear(*a))
+        torch.testing.assert_close(fused(x), ref(x), rtol=1e-5, atol=1e-5)
+        assert calls and len(direct) == 1 and direct[0] is fused.down_proj.weight
+    assert type(fused.gate_proj) is nn.Linear and type(fused.down_proj) is nn.Linear
+    tritonmm.clear_cache()  # (plans made under the patched dispatcher)
+
+
 def test_instance_forward_and_backward_hooks_run_the_original_forward(monkeypatch):
     mlp = tritonmm.fuse(MLP())
     calls = _count_gated(monkeypatch)

@@ -109,26 +109,6 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     return routes.linear_keyed(input, weight, bias, activation)
 
 
-def linear_forward(self, input: Tensor) -> Tensor:
-    """``nn.Linear.forward`` through tritonmm (the forward of patched modules; swapped ones run
-    :func:`tritonmm.nn._swapped_forward`, the same path plus settling).
-
-    The weight plan is checked inline, as in :func:`linear`: this is the per-call path of every patched layer."""
-    weight, bias = self.weight, self.bias
-    if not _dynamo_compiling():
-        plan = _plans_get(id(weight))
-        if plan is not None and plan[0] and _forced() is None and _BACKEND not in raw_env \
-                and _KERNEL not in raw_env:
-            try:
-                if plan[1] == weight.data_ptr() and (
-                        plan[0] == 2 or not (_grad_enabled() and (input.requires_grad or weight.requires_grad
-                                                                  or bias is not None and bias.requires_grad))):
-                    return _F_linear(input, weight, bias)
-            except (AttributeError, RuntimeError):  # not a tensor, no storage
-                pass
-    return linear(input, weight, bias)
-
-
 def torch_planned(weight) -> bool:
     """Whether ``weight`` has a current plan sending every GEMM it takes part in to torch, in the default
     state (nothing forced): where a fused module has nothing left to fuse."""

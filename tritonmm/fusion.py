@@ -100,7 +100,8 @@ def _plain_linear(m) -> bool:
     t = type(m)
     if not isinstance(m, nn.Linear) or t.__call__ is not _MODULE_CALL or t._call_impl is not nn.Module._call_impl:
         return False
-    return t.forward in (_original_forward, _patched_forward) or "_tritonmm_base" in t.__dict__
+    return t.forward in (_original_forward, _patched_forward) or "_tritonmm_base" in t.__dict__ \
+        or "_tritonmm_patched" in t.__dict__
 
 
 def _plain_params(weight, bias) -> bool:
@@ -164,21 +165,27 @@ _F_linear = F.linear
 _TORCH_LINEAR_FORWARDS = (_original_forward, _settled_forward)
 
 
-def _param(m, name):
-    """``m.<name>`` read from ``_parameters`` directly (nn.Module.__getattr__ where it is not there)."""
+def _param(m, name, default=_MISSING):
+    """``m.<name>`` read from ``_parameters`` directly (nn.Module.__getattr__ where it is not there);
+    ``default`` where ``m`` has no such attribute, if given."""
     p = m._parameters.get(name, _MISSING)
-    return getattr(m, name) if p is _MISSING else p
+    if p is not _MISSING:
+        return p
+    return getattr(m, name) if default is _MISSING else getattr(m, name, default)
 
 
 def _fused_forward(self, x):
     mods = self._modules
     gate, up, act, down = mods.get("gate_proj"), mods.get("up_proj"), mods.get("act_fn"), mods.get("down_proj")
     if type(x) is not _Proxy and gate is not None and up is not None and down is not None:  # (fx records modules)
+        compiling = _is_compiling()
+        if not compiling and torch_serves(x, _param(gate, "weight", None)):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # first: the cheapest check
         name = activation_name(act)
         if name is not None and _linear_type(gate) and _linear_type(up) and not (
                 _hooked(gate) or _hooked(up) or _hooked(act) or _global_hooks()):
             wg, wu, bg, bu = _param(gate, "weight"), _param(up, "weight"), _param(gate, "bias"), _param(up, "bias")
-            if _plain_params(wg, bg) and _plain_params(wu, bu) and (_is_compiling() or not torch_serves(x, wg)):
+            if _plain_params(wg, bg) and _plain_params(wu, bu) and (compiling or not torch_serves(x, wg)):
                 h = gated_linear(x, wg, wu, bg, bu, name)
                 if type(down).forward in _TORCH_LINEAR_FORWARDS and _linear_type(down) and not _hooked(down):
                     return _F_linear(h, _param(down, "weight"), _param(down, "bias"))  # its forward, without __call__

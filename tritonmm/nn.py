@@ -16,7 +16,10 @@ settle in eager calls only: not while torch.compile or jit traces them, not whil
 is part of torch.compile's guards, so a compiled model whose layers then settle in eager calls
 recompiles once. A weight changed in place (``weight.data = ...``) keeps a settled module on nn.Linear's
 forward: its result is right, a Triton route it might now take is missed until ``clear_cache``.
-:func:`settled_class` and :func:`settle` serve fused Sequentials (:mod:`tritonmm.fusion`) the same way.
+Under :func:`patch_linear` a module whose class inherits nn.Linear's forward settles the same way, into
+a subclass of its own class (pickled and copied as its own class); :func:`unpatch_linear` gives every
+such module its class back. :func:`settled_class` and :func:`settle` serve fused Sequentials
+(:mod:`tritonmm.fusion`) the same way.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils import parametrize
 
 from . import api as _api
 from . import dispatch
 from ._env import raw_env
 from .api import (_BACKEND, _KERNEL, _F_linear, _dynamo_compiling, _forced, _grad_enabled, _plans_get,  # the fast
-                  _tracing_state, linear, linear_forward)  # path's bound callables, shared with the patched forward
+                  _tracing_state, linear)  # path's bound callables
 
 
 class TritonLinear(nn.Linear):
@@ -66,16 +71,46 @@ _settled_lock = threading.Lock()
 def settle(module) -> None:
     """Give ``module`` its settled class (:func:`settled_class`): not for classes made after the swap or the
     fusion (parametrizations), under jit tracing (a trace and its check run must agree) or while any
-    thread forces a backend."""
-    settled = _settled_classes.get(type(module))
+    thread forces a backend. A patched module (its class inherits the patched forward) settles into a
+    subclass of its own class while :func:`patch_linear` is in effect."""
+    cls = type(module)
+    settled = _settled_classes.get(cls)
+    if settled is None and cls.forward is _patched_forward:
+        settled = _patched_settled_class(module)
     if settled is None or _tracing_state() is not None or dispatch.forcing_blocks():
         return
     with _settled_lock:
+        if "_tritonmm_patched" in settled.__dict__ and nn.Linear.forward is not _patched_forward:
+            return  # unpatched meanwhile
         object.__setattr__(module, "__class__", settled)  # (not through a subclass's __setattr__)
         _settled.add(module)
 
 
-def settled_class(unsettled: type, forward, unsettles: Callable[[str, object], bool]) -> type:
+def _settled_reduce_ex(self, protocol):
+    # pickle / torch.save / deepcopy of a patched, settled module: it goes back to its own class (it settles
+    # again on its next call) and is pickled as that class pickles its instances, without tritonmm
+    _unsettle(self)
+    return type(self).__reduce_ex__(self, protocol)
+
+
+def _patched_settled_class(module) -> Optional[type]:
+    """The settled class of a patched module's class, made on first use; None for lazy and parametrized
+    modules (they change their own class) and for classes with an ``__init_subclass__`` of their own (it
+    may need arguments, or register subclasses)."""
+    cls = type(module)
+    if isinstance(module, LazyModuleMixin) or parametrize.is_parametrized(module) or any(
+            "__init_subclass__" in c.__dict__ for c in cls.__mro__[:-1]):
+        return None
+    with _settled_lock:
+        settled = _settled_classes.get(cls)
+        if settled is None:
+            settled = settled_class(cls, _settled_forward, lambda name, value: name in ("weight", "bias"),
+                                    {"_tritonmm_patched": True, "__reduce_ex__": _settled_reduce_ex})
+    return settled
+
+
+def settled_class(unsettled: type, forward, unsettles: Callable[[str, object], bool],
+                  attrs: Optional[dict] = None) -> type:
     """The settled subclass of ``unsettled`` (a swapped or fused class), whose forward is ``forward``: its
     instances go back to ``unsettled`` when their tensors move (``_apply``: ``.to()``, ``.cuda()``,
     ``.half()``), when ``unsettles(name, value)`` says so for an attribute assigned, and on
@@ -83,7 +118,8 @@ def settled_class(unsettled: type, forward, unsettles: Callable[[str, object], b
     marks = {k: v for k, v in unsettled.__dict__.items() if k.startswith("_tritonmm_")}  # e.g. the base class
     settled = _settled_classes[unsettled] = type(
         unsettled.__name__, (unsettled,),
-        {**marks, "forward": forward, "_tritonmm_unsettled": unsettled, "__module__": unsettled.__module__})
+        {**marks, **(attrs or {}), "forward": forward, "_tritonmm_unsettled": unsettled,
+         "__module__": unsettled.__module__, "__qualname__": unsettled.__qualname__})
 
     def _apply(self, fn, *args, **kwargs):
         out = super(settled, self)._apply(fn, *args, **kwargs)
@@ -91,8 +127,10 @@ def settled_class(unsettled: type, forward, unsettles: Callable[[str, object], b
         return out
 
     def __setattr__(self, name, value):
-        if type(self) is settled and unsettles(name, value):
+        if type(self) is settled and (unsettles(name, value) or name == "__class__" and _derived(value, settled)):
             _unsettle(self)
+            if name == "__class__":  # a class made on the settled one (a parametrization): made on the unsettled
+                value = _rebased(value, unsettled)
             return type(self).__setattr__(self, name, value)  # the unsettled class's (a subclass's own)
         super(settled, self).__setattr__(name, value)
 
@@ -104,9 +142,20 @@ def settled_class(unsettled: type, forward, unsettles: Callable[[str, object], b
     return settled
 
 
+def _derived(cls, settled: type) -> bool:
+    """Whether ``cls`` is a class made directly on the settled class ``settled``."""
+    return isinstance(cls, type) and cls.__bases__ == (settled,)
+
+
+def _rebased(cls: type, unsettled: type) -> type:
+    """``cls`` (made on a settled class) made again on ``unsettled``, with the same namespace."""
+    namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    return type(cls)(cls.__name__, (unsettled,), {**namespace, "__qualname__": cls.__qualname__})
+
+
 def _swapped_forward(self, input):
-    """nn.Linear.forward through tritonmm: :func:`tritonmm.api.linear_forward`, except that a module whose
-    weight has a plan sending every GEMM to torch is settled (see the module docstring)."""
+    """nn.Linear.forward through tritonmm: the weight plan checked inline as :func:`tritonmm.linear` checks
+    it; a module whose weight has a plan sending every GEMM to torch is settled (module docstring)."""
     weight, bias = self.weight, self.bias
     if not _dynamo_compiling():
         plan = _plans_get(id(weight))
@@ -138,10 +187,11 @@ def _unsettle(module) -> None:
         _settled.discard(module)
 
 
-def _unsettle_all() -> None:
-    """Every settled module back to its swapped class (tritonmm's state changed)."""
+def _unsettle_all(patched_only: bool = False) -> None:
+    """Every settled module back to its swapped or patched class (tritonmm's state changed), or only the
+    patched ones (:func:`unpatch_linear`)."""
     with _settled_lock:
-        modules = list(_settled)
+        modules = [m for m in _settled if not patched_only or "_tritonmm_patched" in type(m).__dict__]
     for module in modules:
         _unsettle(module)
 
@@ -176,7 +226,8 @@ def _swapped_class(cls: type) -> type:
 
 def _runs_linear_forward(module: nn.Module) -> bool:
     # a subclass with a forward of its own is left alone: replacing it would change what it computes
-    return type(module).forward in (nn.Linear.forward, _original_forward, _patched_forward)
+    return type(module).forward in (nn.Linear.forward, _original_forward, _patched_forward) \
+        or "_tritonmm_patched" in type(module).__dict__
 
 
 def swap_linear(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
@@ -195,10 +246,9 @@ def swap_linear(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str],
     Returns:
         The same ``model`` object.
     """
-    from torch.nn.modules.lazy import LazyModuleMixin
-    from torch.nn.utils import parametrize
-
     for fqn, module in model.named_modules():
+        if "_tritonmm_patched" in type(module).__dict__:
+            _unsettle(module)  # a patched, settled module: swapped from its own class
         cls = type(module)
         if not isinstance(module, nn.Linear) or isinstance(module, TritonLinear) or "_tritonmm_base" in cls.__dict__:
             continue
@@ -227,7 +277,11 @@ _patch_lock = threading.Lock()
 _forward_before_patch = None  # what nn.Linear.forward was when patch_linear() took over
 
 
-_patched_forward = linear_forward
+def _patched_forward(self, input):
+    """``nn.Linear.forward`` while :func:`patch_linear` is in effect: a swapped module's forward, so a
+    patched module whose weight every GEMM sends to torch settles, into a subclass of its own class whose
+    forward is nn.Linear's (:func:`unpatch_linear` gives it its class back)."""
+    return _swapped_forward(self, input)
 
 
 class _Patch:
@@ -249,7 +303,14 @@ def patch_linear() -> _Patch:
     """Make every ``nn.Linear`` forward (and subclasses that inherit it) run through :func:`tritonmm.linear`.
 
     Usable as a plain call (undo with :func:`unpatch_linear`) or as ``with tritonmm.patch_linear():``,
-    which restores the previous state on exit. Modules are not touched; nothing is copied.
+    which restores the previous state on exit. Nothing is copied. A module whose weight the dispatcher
+    sends to cuBLAS in every GEMM settles on its next call, as a swapped one does (:mod:`tritonmm.nn`):
+    while patched, its class is a subclass of its own class (``isinstance`` holds; pickling and
+    ``deepcopy`` give its own class) running nn.Linear's forward at no cost per call. So code that matches
+    classes exactly (``type(m) is nn.Linear``, e.g. ``torch.ao.quantization.quantize_dynamic``) sees such
+    modules as nn.Linear after :func:`unpatch_linear`, and a ``forward`` assigned later to ``nn.Linear`` or
+    to the module's class reaches them after ``unpatch_linear``, ``force_backend`` or ``clear_cache``.
+    Classes with an ``__init_subclass__`` of their own, lazy and parametrized modules do not settle.
     """
     global _forward_before_patch
     with _patch_lock:
@@ -267,6 +328,7 @@ def unpatch_linear() -> None:
         if nn.Linear.forward is _patched_forward:
             nn.Linear.forward = _forward_before_patch or _original_forward
             _forward_before_patch = None
+    _unsettle_all(patched_only=True)
 
 
 def is_linear_patched() -> bool:
