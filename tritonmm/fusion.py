@@ -185,7 +185,7 @@ def _fused_forward(self, x):
         if name is not None and _linear_type(gate) and _linear_type(up) and not (
                 _hooked(gate) or _hooked(up) or _hooked(act) or _global_hooks()):
             wg, wu, bg, bu = _param(gate, "weight"), _param(up, "weight"), _param(gate, "bias"), _param(up, "bias")
-            if _plain_params(wg, bg) and _plain_params(wu, bu) and (compiling or not torch_serves(x, wg)):
+            if _plain_params(wg, bg) and _plain_params(wu, bu):  # (torch_serves was checked above)
                 h = gated_linear(x, wg, wu, bg, bu, name)
                 if type(down).forward in _TORCH_LINEAR_FORWARDS and _linear_type(down) and not _hooked(down):
                     return _F_linear(h, _param(down, "weight"), _param(down, "bias"))  # its forward, without __call__

@@ -65,6 +65,7 @@ _original_forward = nn.Linear.forward
 _swap_classes: dict[type, type] = {}
 _settled_classes: dict[type, type] = {}
 _settled: weakref.WeakSet = weakref.WeakSet()
+_never_settle: weakref.WeakSet = weakref.WeakSet()  # patched classes :func:`_patched_settled_class` refused
 _settled_lock = threading.Lock()
 
 
@@ -75,7 +76,7 @@ def settle(module) -> None:
     subclass of its own class while :func:`patch_linear` is in effect."""
     cls = type(module)
     settled = _settled_classes.get(cls)
-    if settled is None and cls.forward is _patched_forward:
+    if settled is None and cls.forward is _patched_forward and cls not in _never_settle:
         settled = _patched_settled_class(module)
     if settled is None or _tracing_state() is not None or dispatch.forcing_blocks():
         return
@@ -100,6 +101,7 @@ def _patched_settled_class(module) -> Optional[type]:
     cls = type(module)
     if isinstance(module, LazyModuleMixin) or parametrize.is_parametrized(module) or any(
             "__init_subclass__" in c.__dict__ for c in cls.__mro__[:-1]):
+        _never_settle.add(cls)  # (each a fact of the class: lazy and parametrized modules change their class)
         return None
     with _settled_lock:
         settled = _settled_classes.get(cls)
