@@ -8,6 +8,7 @@
 #   model   python -m tritonmm.bench --model -> $OUT/h200_model.json (MODEL_ARGS adds flags, e.g. one config per
 #           device call: --model-configs small; the JSON is rewritten after each phase, so a run cut short keeps them)
 #   mlp     python -m tritonmm.bench --mlp -> $OUT/h200_mlp.json (MLP_ARGS adds flags)
+#   first_sight  python -m tritonmm.bench --first-sight -> $OUT/h200_first_sight.json
 #   suite   python -m tritonmm.bench on SUITE_TAGS (default: every shape) -> $OUT/h200.json, $OUT/h200.png
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
@@ -67,6 +68,8 @@ PY
              2>&1 | grep -v "Warning\|warn(" | tee "$OUT/model.log" | tail -60 ;;
     mlp) T "${MLP_TIMEOUT:-420}" python3 -m tritonmm.bench --mlp ${MLP_ARGS:-} --json "$OUT/h200_mlp.json" \
              2>&1 | grep -v "Warning\|warn(" | tee "$OUT/mlp.log" | tail -40 ;;
+    first_sight) T "${FS_TIMEOUT:-400}" python3 -m tritonmm.bench --first-sight --json "$OUT/h200_first_sight.json" \
+             2>&1 | tee "$OUT/first_sight.log" | tail -130 ;;
     suite) T "${BENCH_TIMEOUT:-300}" python3 -m tritonmm.bench --rep 60 ${SUITE_TAGS:+--tags $SUITE_TAGS} \
              --json "$OUT/h200.json" --plot "$OUT/h200.png" ;;
     *) echo "unknown step $step" ;;

@@ -7,6 +7,7 @@ import torch
 
 # the tests decide with the shipped tables only, whatever this machine has tuned for its own models
 os.environ["TRITONMM_TUNED_DIR"] = tempfile.mkdtemp(prefix="tritonmm-tuned-")
+os.environ["TRITONMM_FIRST_SIGHT"] = "0"  # and measure nothing on first sight (tests that do turn it on)
 
 if not torch.cuda.is_available():
     # before anything imports triton: kernels run on CPU tensors through Triton's interpreter

@@ -10,7 +10,8 @@ Public API (re-exports only; importing neither initialises CUDA nor reads files)
 * :func:`gated_linear`: ``act(F.linear(x, w_gate)) * F.linear(x, w_up)`` as one GEMM; :func:`fuse`,
   :func:`unfuse`: gated MLPs (Llama, Mistral, Qwen2, Gemma) run through it.
 * :func:`patch_linear`, :func:`unpatch_linear`, :func:`swap_linear`, :func:`unswap_linear`: nn.Linear integration.
-* :func:`tune_model`: measure a model's GEMMs on this GPU ahead of time, into this machine's tuned table.
+* :func:`tune_model`: measure a model's GEMMs on this GPU ahead of time, into this machine's tuned table
+  (GEMMs large enough are also measured at their first eager call: :mod:`tritonmm.first_sight`).
 """
 
 from __future__ import annotations

@@ -13,13 +13,14 @@ which decides at trace time (:mod:`tritonmm.traced`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import activations, dispatch, gated, modes, routes, runners
+from . import activations, dispatch, first_sight, gated, layout, modes, routes, runners, shapes
 from ._env import raw_env, raw_name
 
 _plans_get = routes.plans.get
@@ -149,7 +150,13 @@ def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
         dtype = routes._autocast_dtype(a)
         if dtype is not None:
             a, b = routes._cast(a, dtype), routes._cast(b, dtype)
-    return runners.lookup(a, b, None, "none", "matmul").decision
+    decision = runners.lookup(a, b, None, "none", "matmul").decision
+    if decision.backend == "torch" and decision.reason.startswith("not in this GPU's tuned table"):
+        p = shapes.plan(a, b)
+        if p.batch == 1 and first_sight.pending(a.device, a.dtype, [(p.M, p.N, p.K, layout.tag(p))]):
+            return dataclasses.replace(decision, reason=decision.reason + " until its first eager call measures "
+                                                                          "it (first-sight tuning)")
+    return decision
 
 
 def clear_cache() -> None:
@@ -160,6 +167,7 @@ def clear_cache() -> None:
     runners.clear_cache()
     gated.clear_cache()
     dispatch._tuned.clear()
+    first_sight.forget()
     dispatch.state_changed()
 
 

@@ -8,8 +8,9 @@ Rules, in order (first match wins):
    ``TRITON_INTERPRET=1`` CPU tensors take the Triton path (CI tests the kernel itself).
 2. empty problems (M, N or batch = 0; K = 0) -> no launch.
 3. a forced backend (``TRITONMM_BACKEND`` or :func:`force_backend`).
-4. a measured winner from the tuned table of this GPU (``configs/tuned/*.json``, :mod:`tritonmm.tuned`);
-   a Triton winner must save at least ``TRITON_MIN_SAVING_US`` of GPU time per call.
+4. a measured winner from the tuned table of this GPU (``configs/tuned/*.json``, :mod:`tritonmm.tuned`,
+   and this machine's, where :mod:`tritonmm.first_sight` records GEMMs large enough to measure at their
+   first eager call); a Triton winner must save at least ``TRITON_MIN_SAVING_US`` of GPU time per call.
 5. 2-D problems whose K or N is not a multiple of 16 bytes, at least ``PAD_MIN_FLOPS`` and
    math-bound (at least ``PAD_MIN_INTENSITY`` FLOP/byte) -> cuBLAS on zero-padded aligned copies
    (``kernel="padded"``, :mod:`tritonmm.padded`).
@@ -224,8 +225,8 @@ def _capability(dtype: torch.dtype, device: torch.device) -> str | None:
     return None
 
 
-def _kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, str, tuple]:
-    """(kernel, reason, copies) for a call that goes to Triton."""
+def kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, str, tuple]:
+    """(kernel, reason, copies) for a call that goes to Triton (``want``: a forced kernel, or "auto")."""
     M, N, K, batch = plan.M, plan.N, plan.K, plan.batch
     two_d = batch == 1
     if want != "auto":
@@ -275,11 +276,11 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
                                            "batched problem, which the padded path does not take)")
         return Decision("torch", None, "backend forced to torch")
     if backend == "triton":
-        k, reason, copies = _kernel_choice(plan, device, kernel)
+        k, reason, copies = kernel_choice(plan, device, kernel)
         return Decision("triton", k, f"backend forced to triton; {reason}", config=config if k == kernel else None,
                         copies=copies)
     if device.type == "cpu":  # the interpreter: CI exercises the kernels, so no performance rules
-        k, reason, copies = _kernel_choice(plan, device, kernel)
+        k, reason, copies = kernel_choice(plan, device, kernel)
         return Decision("triton", k, f"TRITON_INTERPRET=1: CPU tensors run in Triton's interpreter; {reason}",
                         copies=copies)
     entry = _from_table(device, dtype, plan)
@@ -312,12 +313,19 @@ def _from_table(device: torch.device, dtype: torch.dtype, plan: Plan) -> Decisio
     e = _tuned.entry(device, dtype, plan)
     if e is None:
         return None
-    source = f"tuned table (measured with triton {e['prior']}, used as a prior)" if e.get("prior") else "tuned table"
+    if e.get("prior"):
+        source = f"tuned table (measured with triton {e['prior']}, used as a prior)"
+    elif "first_sight_s" in e:
+        source = "tuned table (measured at first sight)"
+    else:
+        source = "tuned table"
     return _table_decision(e, plan, dtype, source)
 
 
 def _table_decision(e: dict, plan: Plan, dtype: torch.dtype, source: str) -> Decision:
     ratio = e["torch_us"] / e["triton_us"] if e.get("triton_us") else 0.0
+    if e["backend"] == "torch" and not e.get("triton_us"):
+        return Decision("torch", None, f"{source}: cuBLAS ({e.get('note') or 'no Triton kernel measured'})")
     if e["backend"] == "torch":
         if e.get("kernel") == "padded":
             if padded_shape(plan, dtype) is not None:

@@ -179,8 +179,9 @@ def _fused_forward(self, x):
     gate, up, act, down = mods.get("gate_proj"), mods.get("up_proj"), mods.get("act_fn"), mods.get("down_proj")
     if type(x) is not _Proxy and gate is not None and up is not None and down is not None:  # (fx records modules)
         compiling = _is_compiling()
-        if not compiling and torch_serves(x, _param(gate, "weight", None)):
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # first: the cheapest check
+        if not compiling and torch_serves(x, _param(gate, "weight", None)):  # first: the cheapest check
+            # the recognised forward on the modules already looked up (self.<name> costs a Module.__getattr__ each)
+            return down(act(gate(x)) * up(x)) if act is not None else down(self.act_fn(gate(x)) * up(x))
         name = activation_name(act)
         if name is not None and _linear_type(gate) and _linear_type(up) and not (
                 _hooked(gate) or _hooked(up) or _hooked(act) or _global_hooks()):

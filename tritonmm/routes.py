@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx import Proxy as _Proxy
 
-from . import activations, dispatch, grads, modes, runners, shapes
+from . import activations, dispatch, first_sight, grads, modes, runners, shapes
 from ._env import raw_get, raw_name
+from .layout import tag as layout_tag
 
 CACHE_MAX = 4096
 _cache: dict = {}
@@ -231,10 +232,41 @@ def _linear_entry(key, x: Tensor, weight: Tensor, bias, activation: str, autocas
     N, K = weight.shape
     M = math.prod(x.shape[:-1])
     dtype = _effective_dtype(x, autocast)
+    later = False
+    if x.is_cuda and first_sight.worth_tuning(M, N, K, dtype):
+        p = shapes.plan(x, weight.t())
+        if p.batch == 1:
+            later = _first_sight(first_sight.linear_problems(p.M, N, K, layout_tag(p), _needs_grad(x, weight, bias)),
+                                 dtype, x.device)
     fwd = dispatch.torch_everywhere([(M, N, K, 1)], dtype, x.device)
     bwd = fwd and dispatch.torch_everywhere([(M, K, N, 1), (N, K, M, 1)], dtype, x.device)
     call = _torch_linear_call(activation)
+    if later:
+        return _deferred(call if bwd else Route(call, fwd, "linear", activation, autocast, x))
     return _remember(key, call if bwd else Route(call, fwd, "linear", activation, autocast, x))
+
+
+def _first_sight(todo: list, dtype: torch.dtype, device: torch.device) -> bool:
+    """Measure the problems of ``todo`` that no table holds (:mod:`tritonmm.first_sight`); where one
+    chose a Triton kernel, forget the routes, runners and plans decided before. True where they must
+    wait for an eager call (CUDA-graph capture): the caller then keeps no route for the geometry."""
+    if _forced() is not None or raw_get(_BACKEND) is not None or raw_get(_KERNEL) is not None:
+        return False  # forced: the table is not consulted
+    if first_sight.pending(device, dtype, todo):
+        measured, changed = first_sight.tune(device, dtype, todo)
+        if measured:  # runners (explain's too) decided before the entries existed
+            runners.clear_cache()
+        if changed:
+            clear()
+            dispatch.state_changed()
+        return False
+    return first_sight.deferred(device, dtype, todo)
+
+
+def _deferred(call):
+    """``call`` for one call only: neither cached nor planned (linear_keyed plans only torch's own calls
+    and Routes), so the geometry's next call decides again."""
+    return lambda *args: call(*args)
 
 
 def _matmul_problems(a: Tensor, b: Tensor) -> list:
@@ -254,9 +286,18 @@ def _matmul_entry(key, a: Tensor, b: Tensor, autocast):
     shapes.check_inputs(_cast(a, autocast), _cast(b, autocast)) if autocast else shapes.check_inputs(a, b)
     fwd_problems, bwd_problems = _matmul_problems(a, b)
     dtype = _effective_dtype(a, autocast)
+    M, N, K, batch = fwd_problems[0]
+    later = False
+    if a.is_cuda and first_sight.worth_tuning(M * batch, N, K, dtype):
+        p = shapes.plan(a, b)
+        if p.batch == 1:
+            later = _first_sight(first_sight.problems(p.M, p.N, p.K, layout_tag(p), _needs_grad(a, b)), dtype,
+                                 a.device)
     fwd = dispatch.torch_everywhere(fwd_problems, dtype, a.device)
     bwd = fwd and dispatch.torch_everywhere(bwd_problems, dtype, a.device)
     call = _torch_matmul_call(a, b)
+    if later:
+        return _deferred(call if bwd else Route(call, fwd, "matmul", "none", autocast, a))
     return _remember(key, call if bwd else Route(call, fwd, "matmul", "none", autocast, a))
 
 

@@ -136,6 +136,12 @@ def _build(plan: shapes.Plan, decision: dispatch.Decision, dtype, device, bias, 
     return run
 
 
+def build(plan: shapes.Plan, decision: dispatch.Decision, dtype: torch.dtype, device: torch.device) -> Callable:
+    """A runner ``(a, b, None) -> a @ b`` for ``plan`` that takes ``decision`` (no bias, no activation, no
+    fallback): first-sight tuning times candidate kernels through it (:mod:`tritonmm.first_sight`)."""
+    return _build(plan, decision, dtype, device, None, "none", None)
+
+
 def prepare(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: str) -> Prepared:
     """Validate, plan, decide and build the runner for one geometry (the cache-miss path).
 

@@ -180,48 +180,15 @@ def merge_measurements(old: list[dict], new: list[dict]) -> list[dict]:
     return [r for r in old if ident(r) not in again] + new
 
 
-def choose(group: list[dict], min_gain: float = 1.0, min_gain_us: float = 0.0) -> dict:
-    """One entry for shapes sharing a key: the (kernel, config) with the least total normalized time;
-    backend "triton" (or the padded path) only where torch.matmul time / its time >= ``min_gain`` and
-    torch.matmul time - its time >= ``min_gain_us`` (µs) on every shape of the group."""
-    def ident(c):
-        return c["kernel"], json.dumps(c["config"], sort_keys=True)
-
-    timed = [{ident(c): c["us"] for c in r["configs"] if "us" in c} for r in group]
-    paired = [r.get("paired") for r in group]
-    common = set.intersection(*(set(t) for t in timed)) if timed else set()
-    best = {i: min(t.values()) for i, t in enumerate(timed) if t}
-    if not common or len(best) < len(group):
-        return {"backend": "torch", "kernel": None, "config": None, "triton_us": None,
-                "torch_us": max(r["torch_us"] for r in group), "note": "no Triton config ran on every shape"}
-    # candidates in measurement order, so a tie goes to the first measured, as in measure_shape's pairing
-    # (do_bench medians step in 32 ns, so ties happen; a set's order would change with the hash seed)
-    order = [k for k in dict.fromkeys(ident(c) for r in group for c in r["configs"] if "us" in c) if k in common]
-    pick = min(order, key=lambda k: sum(t[k] / best[i] for i, t in enumerate(timed)))
-    # per shape: the alternating head-to-head where it timed the pick, else the sweep's own times
-    both = [(p["us"], p["torch_us"]) if p and ident(p) == pick else (t[pick], r["torch_us"])
-            for p, t, r in zip(paired, timed, group)]
-    tri = [x for x, _ in both]
-    tor = [y for _, y in both]
-    wins = all(y >= min_gain * x and y - x >= min_gain_us and x < y for x, y in zip(tri, tor))
-    if pick[0] == "padded":  # cuBLAS on padded copies: a torch entry that names the padded path when it wins
-        return {"backend": "torch", "kernel": "padded" if wins else None, "config": None,
-                "triton_us": max(tri), "torch_us": max(tor),
-                "shapes": [[r["M"], r["N"], r["K"], round(y / x, 3)] for r, x, y in zip(group, tri, tor)]}
-    return {"backend": "triton" if wins else "torch", "kernel": pick[0], "config": json.loads(pick[1]),
-            "triton_us": max(tri), "torch_us": max(tor),
-            "shapes": [[r["M"], r["N"], r["K"], round(y / x, 3)] for r, x, y in zip(group, tri, tor)]}
-
-
 def decide_entries(measured: list[dict], min_gain: float, min_gain_us: float) -> dict:
-    """Table entries from measurements: grouped by table key (:func:`tuned.entry_key`), one :func:`choose` each."""
+    """Table entries from measurements: grouped by table key (:func:`tuned.entry_key`), one :func:`tuned.choose` each."""
     from . import tuned
 
     groups: dict[str, list] = {}
     for r in measured:
         key = tuned.entry_key(DTYPES[r["dtype"]], r["M"], r["N"], r["K"], r.get("layout", "nn"))
         groups.setdefault(key, []).append(r)
-    return {key: choose(group, min_gain, min_gain_us) for key, group in groups.items()}
+    return {key: tuned.choose(group, min_gain, min_gain_us) for key, group in groups.items()}
 
 
 def redecide(path: pathlib.Path, min_gain: float, min_gain_us: float) -> int:
@@ -288,17 +255,17 @@ def _measure_and_write(work: list[tuple], args, path: pathlib.Path, merge: bool)
     entries = decide_entries(measured, args.min_gain, args.min_gain_us)
     sig = tuned.device_signature(device)
     name = torch.cuda.get_device_name(device)
-    if merge and path.is_file():
-        old = tuned.read_table(path)
-        if old:
-            entries = {**old["entries"], **entries}
-            measured = merge_measurements(old.get("measurements", []), measured)
-    table = {"format": tuned.FORMAT, "device": name, **sig, "torch": torch.__version__,
-             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             "rep_ms": args.rep, "min_gain": args.min_gain,
-             "min_gain_us": args.min_gain_us, "entries": entries, "measurements": measured}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tuned.atomic_write_text(path, json.dumps(table, indent=1))  # readers never see half a table
+    with tuned.locked(path):  # (first-sight tuning in other processes merges into the same table)
+        if merge and path.is_file():
+            old = tuned.read_table(path)
+            if old:
+                entries = {**old["entries"], **entries}
+                measured = merge_measurements(old.get("measurements", []), measured)
+        table = {"format": tuned.FORMAT, "device": name, **sig, "torch": torch.__version__,
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "rep_ms": args.rep, "min_gain": args.min_gain,
+                 "min_gain_us": args.min_gain_us, "entries": entries, "measurements": measured}
+        tuned.atomic_write_text(path, json.dumps(table, indent=1))  # readers never see half a table
     wins = sum(e["backend"] == "triton" for e in entries.values())
     print(f"wrote {path}: {len(entries)} entries, Triton wins {wins}, cuBLAS {len(entries) - wins}; "
           f"{time.time() - t0:.0f} s")

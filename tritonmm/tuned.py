@@ -10,10 +10,15 @@ torch.matmul/cuBLAS), which is the fastest measured except that a Triton kernel 
 must beat cuBLAS by the tuner's ``--min-gain`` and ``--min-gain-us``, and both times in µs
 (``triton_us``: the entry's kernel). A table that cannot be read or
 parsed is skipped with one warning.
+
+This machine's table (:func:`user_dir`) also holds the entries of first-sight tuning
+(:mod:`tritonmm.first_sight`, marked ``first_sight_s``: the seconds they took), merged in under a file
+lock (:func:`merge_entries`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -96,19 +101,101 @@ def _check_entry(key, e) -> None:
             raise ValueError(f"entry {key!r}: {exc}") from None
 
 
+_BAD_TABLE = (OSError, ValueError, AttributeError, TypeError)
+
+
+def parse_table(path: pathlib.Path) -> dict:
+    """Parse and validate one table. Tables are JSON data, never executed.
+
+    Raises:
+        OSError, ValueError, AttributeError, TypeError: unreadable, truncated, of another format, or
+            holding a malformed entry.
+    """
+    data = json.loads(path.read_text())
+    if data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
+        raise ValueError(f"format {data.get('format')!r} is not {FORMAT}")
+    for key, entry in data["entries"].items():
+        _check_entry(key, entry)
+    return data
+
+
 def read_table(path: pathlib.Path) -> dict | None:
-    """Parse and validate one table; None (with one warning) when it is unreadable, truncated,
-    of another format or holds a malformed entry. Tables are JSON data, never executed."""
+    """:func:`parse_table`, or None (with one warning) for a table it refuses."""
     try:
-        data = json.loads(path.read_text())
-        if data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
-            raise ValueError(f"format {data.get('format')!r} is not {FORMAT}")
-        for key, entry in data["entries"].items():
-            _check_entry(key, entry)
-        return data
-    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        return parse_table(path)
+    except _BAD_TABLE as exc:
         warnings.warn(f"tritonmm: ignoring tuned table {path}: {exc}", RuntimeWarning, stacklevel=3)
         return None
+
+
+@contextlib.contextmanager
+def locked(path: pathlib.Path):
+    """Hold an exclusive lock on a lock file beside ``path`` (where the platform has ``fcntl``), so that
+    processes merging entries into the same table take turns and none loses another's entries."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: writes stay atomic, a concurrent merge may drop entries
+        yield
+        return
+    with open(path.parent / f".{path.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+MAX_FIRST_SIGHT = 4096
+"""First-sight entries (:mod:`tritonmm.first_sight`) a machine's table keeps; the oldest go first."""
+
+
+def merge_entries(path: pathlib.Path, sig: dict, device_name: str, entries: dict) -> None:
+    """Add ``entries`` (table key -> entry) to the table at ``path``, under :func:`locked`, written with
+    :func:`atomic_write_text`. A file there that cannot be read or belongs to another GPU or Triton
+    release (``sig``) is replaced, with one warning. At most :data:`MAX_FIRST_SIGHT` first-sight
+    entries are kept."""
+    for key, entry in entries.items():
+        _check_entry(key, entry)
+    with locked(path):
+        table = None
+        if path.exists():
+            try:
+                table = parse_table(path)
+                if any(table.get(k) != sig[k] for k in ("capability", "sms", "triton")):
+                    raise ValueError(f"measured on another GPU or Triton release "
+                                     f"({', '.join(f'{k} {table.get(k)}' for k in ('capability', 'sms', 'triton'))})")
+            except _BAD_TABLE as exc:
+                warnings.warn(f"tritonmm: replacing tuned table {path}: {exc}", RuntimeWarning, stacklevel=3)
+                table = None
+        if table is None:
+            table = {"format": FORMAT, "device": device_name, **sig, "torch": torch.__version__,
+                     "entries": {}, "measurements": []}
+        old = table["entries"]
+        for key in entries:
+            old.pop(key, None)  # a re-measured key moves to the end: the newest
+        old.update(entries)
+        first_sight = [k for k, e in old.items() if "first_sight_s" in e]
+        for key in first_sight[:max(0, len(first_sight) - MAX_FIRST_SIGHT)]:
+            del old[key]
+        atomic_write_text(path, json.dumps(table, indent=1))
+
+
+def record(device: torch.device, entries: dict) -> pathlib.Path:
+    """Add ``entries`` to the entries this process decides with and to this machine's table of ``device``
+    (:func:`user_dir`, :func:`merge_entries`); returns the table's path.
+
+    Raises:
+        OSError: the table could not be written (the entries hold in this process all the same).
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _table_for(index).update(entries)
+    weight_used.cache_clear()
+    sig = device_signature(device)
+    name = torch.cuda.get_device_name(device)
+    path = user_dir() / table_name(sig, name)
+    merge_entries(path, sig, name, entries)
+    return path
 
 
 def atomic_write_text(path: pathlib.Path, text: str) -> None:
@@ -254,3 +341,36 @@ def entry(device: torch.device, dtype: torch.dtype, plan: Plan) -> dict | None:
         if e is not None:
             return e
     return None
+
+
+def choose(group: list[dict], min_gain: float = 1.0, min_gain_us: float = 0.0) -> dict:
+    """One entry for shapes sharing a key: the (kernel, config) with the least total normalized time;
+    backend "triton" (or the padded path) only where torch.matmul time / its time >= ``min_gain`` and
+    torch.matmul time - its time >= ``min_gain_us`` (µs) on every shape of the group."""
+    def ident(c):
+        return c["kernel"], json.dumps(c["config"], sort_keys=True)
+
+    timed = [{ident(c): c["us"] for c in r["configs"] if "us" in c} for r in group]
+    paired = [r.get("paired") for r in group]
+    common = set.intersection(*(set(t) for t in timed)) if timed else set()
+    best = {i: min(t.values()) for i, t in enumerate(timed) if t}
+    if not common or len(best) < len(group):
+        return {"backend": "torch", "kernel": None, "config": None, "triton_us": None,
+                "torch_us": max(r["torch_us"] for r in group), "note": "no Triton config ran on every shape"}
+    # candidates in measurement order, so a tie goes to the first measured, as in measure_shape's pairing
+    # (do_bench medians step in 32 ns, so ties happen; a set's order would change with the hash seed)
+    order = [k for k in dict.fromkeys(ident(c) for r in group for c in r["configs"] if "us" in c) if k in common]
+    pick = min(order, key=lambda k: sum(t[k] / best[i] for i, t in enumerate(timed)))
+    # per shape: the alternating head-to-head where it timed the pick, else the sweep's own times
+    both = [(p["us"], p["torch_us"]) if p and ident(p) == pick else (t[pick], r["torch_us"])
+            for p, t, r in zip(paired, timed, group)]
+    tri = [x for x, _ in both]
+    tor = [y for _, y in both]
+    wins = all(y >= min_gain * x and y - x >= min_gain_us and x < y for x, y in zip(tri, tor))
+    if pick[0] == "padded":  # cuBLAS on padded copies: a torch entry that names the padded path when it wins
+        return {"backend": "torch", "kernel": "padded" if wins else None, "config": None,
+                "triton_us": max(tri), "torch_us": max(tor),
+                "shapes": [[r["M"], r["N"], r["K"], round(y / x, 3)] for r, x, y in zip(group, tri, tor)]}
+    return {"backend": "triton" if wins else "torch", "kernel": pick[0], "config": json.loads(pick[1]),
+            "triton_us": max(tri), "torch_us": max(tor),
+            "shapes": [[r["M"], r["N"], r["K"], round(y / x, 3)] for r, x, y in zip(group, tri, tor)]}

@@ -9,6 +9,7 @@
     python -m tritonmm.bench --from-json benchmarks/h200.json --plot bench.png   # no GPU needed
     python -m tritonmm.bench --from-json benchmarks/h200.json --markdown         # README tables
     python -m tritonmm.bench --model --json model.json   # a transformers Llama model: off / swap / patch
+    python -m tritonmm.bench --first-sight               # first-sight tuning on six model families' layers
 
 Per shape and dtype it prints tritonmm's time (µs) and TFLOP/s after dispatch, torch.matmul's,
 their ratio (torch time / tritonmm time: above 1 means tritonmm is faster), the Triton kernel
@@ -90,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --mlp: which MLPs (default: all)")
     p.add_argument("--tokens", nargs="+", type=int, default=None,
                    help=f"with --mlp: token counts M (default: {' '.join(map(str, mlp.TOKENS))})")
+    p.add_argument("--first-sight", action="store_true",
+                   help="first-sight tuning on the linear layers of six model families outside the suite: time per "
+                        "new geometry, the decision against F.linear, a second process (needs a GPU)")
     args = p.parse_args(argv)
     if args.markdown and not args.from_json:
         p.error("--markdown prints an earlier run: give it --from-json RUN.json")
@@ -161,10 +165,28 @@ def mlp_main(args) -> int:
     return 0
 
 
+def first_sight_main(args) -> int:
+    """``--first-sight``: first-sight tuning measured (GPU only: without one it says so)."""
+    if not torch.cuda.is_available():
+        print("No CUDA GPU: first-sight tuning measures GPU kernels; run it on a GPU. CPU tests cover its "
+              "decisions and table (pytest tests/test_first_sight.py).", file=sys.stderr)
+        return 0
+    from . import first_sight
+
+    warm_up_gpu()
+    result = first_sight.run(progress=lambda m: print(m, file=sys.stderr, flush=True))
+    first_sight.print_report(result)
+    if args.json:
+        _write_json(args, result)
+    return 0 if result["summary"]["all_ok"] else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
         return from_json(args)
+    if args.first_sight:
+        return first_sight_main(args)
     if args.model:
         return model_main(args)
     if args.mlp:

@@ -1,0 +1,252 @@
+"""First-sight tuning: a GEMM that no tuned table of this GPU holds is measured at its first eager call.
+
+Which GEMMs: 2-D float16 / bfloat16 problems on a CUDA GPU large enough that a Triton kernel could save
+the dispatcher's ``TRITON_MIN_SAVING_US`` per call (:func:`worth_tuning`), with no entry in a table
+of this GPU and Triton release, or only a prior measured with another Triton release (whose winner
+is checked again this way). Smaller GEMMs go to cuBLAS without a measurement: there a Triton kernel
+cannot save what its launch costs on the host.
+
+How: before the first call runs, on the caller's stream, on random operands of the problem's shape
+and layout: cuBLAS (torch.matmul) is timed; where it takes at least :data:`MIN_TORCH_US`, the
+kernel the dispatcher would launch is compiled and checked against cuBLAS's result in its pruned
+candidate configs, in order, until :data:`COMPILE_BUDGET_S` has passed; then cuBLAS and every
+candidate are timed call by call in alternation (GPU time, L2 flushed, as ``python -m
+tritonmm.bench`` times), the fastest against cuBLAS once more for longer, and it wins only by the
+tuner's margins (:data:`MIN_GAIN`, :data:`MIN_GAIN_US`). The result is one entry of this machine's table (:func:`tuned.record`), which
+this process uses at once and later processes read, so a geometry is measured once per machine.
+
+When not: inside CUDA-graph capture and ``torch.compile`` tracing (the table or the heuristic
+serves, and the geometry is measured at its next eager call), with ``TRITONMM_FIRST_SIGHT=0``, with
+``TRITONMM_AUTOTUNE=0`` and under several ranks (timings differ between GPUs:
+:func:`tritonmm._env.deterministic_configs`). A layer that settled (:mod:`tritonmm.nn`) calls
+F.linear directly and meets no first sight for row counts it sees later;
+:func:`tritonmm.tune_model` measures a model's GEMMs ahead of time.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+
+import torch
+
+from . import dispatch, layout, tuned
+from ._env import autotune_enabled, deterministic_configs
+
+MIN_FLOPS = 2**34
+"""FLOP (2·M·N·K) from which a GEMM is measured at first sight (or :data:`MIN_BYTES`): about 25 µs of
+cuBLAS on an H200, below which saving ``dispatch.TRITON_MIN_SAVING_US`` would take a kernel more than
+twice as fast as cuBLAS."""
+MIN_BYTES = 2**28
+"""Bytes of operands and result from which a memory-bound GEMM is measured (256 MiB, about 56 µs at the
+H200's 4.8 TB/s: decode rows of a large vocabulary head). Below, a kernel streaming the weight at full
+bandwidth saves less than ``TRITON_MIN_SAVING_US`` on cuBLAS's 80-90% of it."""
+MIN_TORCH_US = 2 * dispatch.TRITON_MIN_SAVING_US
+"""cuBLAS time (µs) below which no Triton candidate is compiled: the entry records cuBLAS."""
+COMPILE_BUDGET_S = 0.7
+"""Seconds from the start of a measurement after which no further candidate is compiled (nor one whose
+compile, at the longest so far, would end later); the timing that follows takes about 0.1-0.2 s."""
+SWEEP_MS, PAIR_MS = 8, 30
+"""ms of GPU samples per contender: in the sweep over cuBLAS and every candidate, then in the
+head-to-head of the fastest candidate and cuBLAS that decides."""
+MIN_GAIN, MIN_GAIN_US = 1.01, 1.0
+"""A candidate wins where cuBLAS time / its time is at least MIN_GAIN and it saves MIN_GAIN_US (the
+tuner's defaults, ``python -m tritonmm.tune``); the dispatcher then also asks for
+``TRITON_MIN_SAVING_US``."""
+_DTYPES = (torch.float16, torch.bfloat16)
+
+_lock = threading.Lock()
+_tried: set = set()  # (GPU index, table key) measured or failed in this process
+stats = {"measured": 0, "seconds": 0.0}
+"""Geometries measured in this process and the seconds they took (benchmarks and tests read it)."""
+
+
+def enabled() -> bool:
+    """Whether first-sight tuning is on: ``TRITONMM_FIRST_SIGHT`` (default 1), ``TRITONMM_AUTOTUNE``
+    not 0, a single rank.
+
+    Raises:
+        ValueError: ``TRITONMM_FIRST_SIGHT`` or ``TRITONMM_AUTOTUNE`` holds something other than 0 or 1.
+    """
+    raw = os.environ.get("TRITONMM_FIRST_SIGHT", "1").strip().lower()
+    if raw not in ("1", "true", "on", "yes", "", "0", "false", "off", "no"):
+        raise ValueError(f"environment variable TRITONMM_FIRST_SIGHT={os.environ['TRITONMM_FIRST_SIGHT']!r} "
+                         f"is not 0 or 1")
+    return raw not in ("0", "false", "off", "no") and autotune_enabled() and not deterministic_configs()
+
+
+def worth_tuning(M: int, N: int, K: int, dtype: torch.dtype) -> bool:
+    """Whether an M x N x K GEMM of ``dtype`` is large enough to measure (:data:`MIN_FLOPS`, :data:`MIN_BYTES`)."""
+    return dtype in _DTYPES and (2 * M * N * K >= MIN_FLOPS or (M * K + K * N + M * N) * dtype.itemsize >= MIN_BYTES)
+
+
+def _flip(c: str) -> str:
+    return "n" if c == "t" else "t"
+
+
+def problems(M: int, N: int, K: int, tag: str, grads: bool) -> list[tuple]:
+    """(M, N, K, layout) of ``C = A @ B`` (A: M x K, B: K x N, layouts ``tag``) and, with ``grads``, of
+    its backward GEMMs as :mod:`tritonmm.grads` runs them: dA = dC @ B^T, dB = A^T @ dC (dC contiguous)."""
+    out = [(M, N, K, tag)]
+    if grads:
+        out += [(M, K, N, "n" + _flip(tag[1])), (K, N, M, _flip(tag[0]) + "n")]
+    return out
+
+
+def linear_problems(M: int, N: int, K: int, tag: str, grads: bool) -> list[tuple]:
+    """As :func:`problems` for ``F.linear`` (B = weight^T): its weight gradient is dC^T @ x, (N, K, M)."""
+    out = [(M, N, K, tag)]
+    if grads:
+        out += [(M, K, N, "n" + _flip(tag[1])), (N, K, M, "t" + tag[0])]
+    return out
+
+
+def _unmeasured(device: torch.device, dtype: torch.dtype, todo: list[tuple]) -> list[tuple]:
+    if device.type != "cuda" or dtype not in _DTYPES or not todo:
+        return []
+    todo = [p for p in todo if worth_tuning(p[0], p[1], p[2], dtype)]
+    if not todo or not enabled():
+        return []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return [p for p in dict.fromkeys(todo) if (index, tuned.entry_key(dtype, *p)) not in _tried
+            and not tuned.measured(torch.device("cuda", index), dtype, *p)]
+
+
+def _not_now() -> bool:
+    return torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+
+
+def pending(device: torch.device, dtype: torch.dtype, todo: list[tuple]) -> list[tuple]:
+    """The problems of ``todo`` that would be measured now: first-sight tuning on, a CUDA device, no
+    capture or compile tracing, large enough, not in a table of this GPU and Triton release, not tried
+    in this process. Cheap: no GPU work."""
+    todo = _unmeasured(device, dtype, todo)
+    return [] if not todo or _not_now() else todo
+
+
+def deferred(device: torch.device, dtype: torch.dtype, todo: list[tuple]) -> bool:
+    """Whether a problem of ``todo`` would be measured but cannot be now (CUDA-graph capture, compile
+    tracing): the caller then keeps no decision for it, so its next eager call measures it."""
+    return bool(_unmeasured(device, dtype, todo)) and _not_now()
+
+
+def tune(device: torch.device, dtype: torch.dtype, todo: list[tuple]) -> tuple[int, bool]:
+    """Measure each problem (M, N, K, layout) of ``todo`` and record its entry. Returns how many were
+    measured, and whether one of them chose a Triton kernel or the padded path (then decisions already
+    made for that weight may no longer hold).
+
+    A problem whose measurement fails is left to cuBLAS, with one RuntimeWarning."""
+    changed, count = False, 0
+    with _lock:
+        for M, N, K, tag in pending(device, dtype, todo):  # again under the lock: another thread may have measured it
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            key = tuned.entry_key(dtype, M, N, K, tag)
+            _tried.add((index, key))
+            t0 = _clock()
+            try:
+                with torch.cuda.device(index):  # timing events and launches on the problem's GPU
+                    entry = measure(torch.device("cuda", index), dtype, M, N, K, tag)
+            except Exception as exc:  # noqa: BLE001 - out of memory, a driver error: never the caller's failure
+                warnings.warn(f"tritonmm: first-sight tuning of {key} failed ({type(exc).__name__}: "
+                              f"{str(exc)[:200]}); cuBLAS serves it", RuntimeWarning, stacklevel=2)
+                continue
+            entry["first_sight_s"] = round(_clock() - t0, 3)
+            stats["measured"] += 1
+            stats["seconds"] += entry["first_sight_s"]
+            try:
+                tuned.record(torch.device("cuda", index), {key: entry})
+            except OSError as exc:  # a read-only home, a full disk: the entry holds in this process
+                warnings.warn(f"tritonmm: could not write this machine's tuned table ({exc}); the first-sight "
+                              f"entry {key} holds in this process only", RuntimeWarning, stacklevel=2)
+            count += 1
+            changed |= entry["backend"] == "triton" or entry.get("kernel") == "padded"
+    return count, changed
+
+
+_clock = time.perf_counter
+
+
+def _times(fns, rep_ms: float) -> list[float]:
+    """Median GPU µs of each of ``fns``, timed call by call in alternation (:mod:`tritonmm.bench.timing`)."""
+    from .bench.timing import _pair_times_ms
+
+    return [float(torch.tensor(t).median()) * 1e3 for t in _pair_times_ms(tuple(fns), rep_ms)]
+
+
+def _operand(rows: int, cols: int, tag: str, dtype, device, gen) -> torch.Tensor:
+    t = torch.randn((rows, cols) if tag == "n" else (cols, rows), device=device, dtype=dtype, generator=gen)
+    return t if tag == "n" else t.t()
+
+
+def candidates(plan, dtype: torch.dtype, device: torch.device) -> list[tuple[str, dict]]:
+    """(kernel, config) to try: the kernel the dispatcher would launch, its candidates pruned and
+    ranked as autotuning prunes them (:func:`kernels.configs.prune`)."""
+    from .device import num_sms, smem_limit
+    from .kernels import configs as cfg
+
+    kernel, _, _ = dispatch.kernel_choice(plan, device, "auto")
+    size = dtype.itemsize
+    pool = cfg.prune(cfg.candidates(kernel), M=plan.M, N=plan.N, K=plan.K, itemsize=size, out_itemsize=size,
+                     kernel=kernel, smem_limit=smem_limit(device), num_sms=num_sms(device))
+    return [(kernel, c) for c in pool]
+
+
+def measure(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, tag: str) -> dict:
+    """One table entry for the problem, measured now (module docstring); see :func:`tuned.choose`."""
+    from . import runners, shapes
+    from .testing import rounding_unit
+
+    t0 = _clock()
+    gen = torch.Generator(device=device).manual_seed(0)  # the caller's random state stays untouched
+    a, b = _operand(M, K, tag[0], dtype, device, gen), _operand(K, N, tag[1], dtype, device, gen)
+
+    def cublas():
+        return torch.matmul(a, b)
+
+    (torch_us,) = _times([cublas], SWEEP_MS / 2)
+    res = {"tag": "first-sight", "M": M, "N": N, "K": K, "dtype": str(dtype).removeprefix("torch."),
+           "layout": tag, "torch_us": torch_us, "configs": []}
+    if torch_us >= MIN_TORCH_US:
+        ref = cublas()
+        bound = 4 * rounding_unit(dtype, device) * ref.abs().max().item()
+        plan = shapes.plan(a, b)
+        runs, longest = [], 0.0
+        for kernel, config in candidates(plan, dtype, device):
+            start = _clock()
+            if runs and start - t0 + longest > COMPILE_BUDGET_S:  # the next compile would overrun the budget
+                break
+            entry = {"kernel": kernel, "config": config}
+            decision = dispatch.Decision("triton", kernel, "first-sight candidate", config=config,
+                                         copies=layout.tma_copies(plan) if kernel == "tma" else ())
+            try:
+                run = runners.build(plan, decision, dtype, device)
+                err = (run(a, b, None).float() - ref.float()).abs().max().item()
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile or run is recorded, not fatal
+                entry["failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            else:
+                if not err <= bound:
+                    entry["failed"] = f"differs from cuBLAS by {err:.3e} > {bound:.3e}"
+                else:
+                    runs.append((entry, lambda run=run: run(a, b, None)))
+            res["configs"].append(entry)
+            longest = max(longest, _clock() - start)
+        if runs:  # a sweep over every candidate, then the fastest against cuBLAS for longer
+            sweep = _times([cublas] + [fn for _, fn in runs], SWEEP_MS)
+            for (entry, _), us in zip(runs, sweep[1:]):
+                entry["us"] = us
+            best, fn = min(runs, key=lambda r: r[0]["us"])
+            t_torch, t_best = _times([cublas, fn], PAIR_MS)
+            res["paired"] = {"kernel": best["kernel"], "config": best["config"], "torch_us": t_torch, "us": t_best}
+    entry = tuned.choose([res], MIN_GAIN, MIN_GAIN_US)
+    if torch_us < MIN_TORCH_US:
+        entry["note"] = (f"cuBLAS took {torch_us:.1f} µs, too short for a Triton kernel to save "
+                         f"{dispatch.TRITON_MIN_SAVING_US:g} µs")
+    return entry
+
+
+def forget() -> None:
+    """Forget which geometries this process measured (they are measured again if no table holds them)."""
+    with _lock:
+        _tried.clear()
