@@ -49,22 +49,28 @@ def test_only_large_half_precision_gemms_are_worth_measuring():
     assert not first_sight.worth_tuning(512, 2816, 1024, bf)  # a small model's prefill: host-paced
     assert not first_sight.worth_tuning(16, 14336, 4096, bf)  # decode of an 8B MLP projection: 117 MB
     assert first_sight.worth_tuning(1, 128256, 4096, bf)  # decode of a large vocabulary head: 1 GB
+    assert not first_sight.worth_tuning(4096, 4095, 4096, bf) and not first_sight.worth_tuning(4096, 4096, 4100, bf)
     assert not first_sight.worth_tuning(4096, 4096, 4096, torch.float32)
     assert not first_sight.worth_tuning(4096, 4096, 4096, torch.float64)
 
 
 def test_pending_skips_what_must_not_be_measured(on, monkeypatch):
     state = {"compiling": False, "capturing": False}
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: state["compiling"])
+    monkeypatch.setattr(first_sight.modes, "is_compiling", lambda: state["compiling"])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
     big = [(4096, 4096, 4096, "nt")]
     assert first_sight.pending(CUDA0, torch.bfloat16, big) == big  # (no table on this machine)
     assert first_sight.pending(torch.device("cpu"), torch.bfloat16, big) == []
     assert first_sight.pending(CUDA0, torch.bfloat16, [(16, 64, 64, "nt")]) == []
-    for what in state:  # compile tracing, CUDA-graph capture: the table serves
+    for what in state:  # compile tracing, CUDA-graph capture: the table serves, the next eager call measures
         state[what] = True
-        assert first_sight.pending(CUDA0, torch.bfloat16, big) == []
+        assert first_sight.pending(CUDA0, torch.bfloat16, big) == [] and first_sight.deferred(CUDA0, torch.bfloat16, big)
         state[what] = False
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False):  # a mode would see the measurement's own calls
+        assert first_sight.pending(CUDA0, torch.bfloat16, big) == [] and first_sight.deferred(CUDA0, torch.bfloat16, big)
+    assert not first_sight.deferred(CUDA0, torch.bfloat16, big)
+    assert first_sight.pending(CUDA0, torch.bfloat16, [(4096, 4100, 4096, "nt")]) == []  # unaligned: rule 5 decides
     monkeypatch.setenv("TRITONMM_FIRST_SIGHT", "0")
     assert first_sight.pending(CUDA0, torch.bfloat16, big) == []
     monkeypatch.setenv("TRITONMM_FIRST_SIGHT", "1")
@@ -73,6 +79,42 @@ def test_pending_skips_what_must_not_be_measured(on, monkeypatch):
     assert first_sight.pending(CUDA0, torch.bfloat16, big) == []
     monkeypatch.setattr(tuned, "_table_for", lambda index: {key: _entry(prior="3.5.0")})  # a prior: checked again
     assert first_sight.pending(CUDA0, torch.bfloat16, big) == big
+    padded = {**_entry(prior="3.5.0"), "kernel": "padded"}  # ... unless it names the padded path (not Triton's)
+    monkeypatch.setattr(tuned, "_table_for", lambda index: {key: padded})
+    assert first_sight.pending(CUDA0, torch.bfloat16, big) == []
+    sibling = tuned.entry_key(torch.float16, *big[0])  # float16 and bfloat16 stand in for each other
+    monkeypatch.setattr(tuned, "_table_for", lambda index: {sibling: _entry()})
+    assert first_sight.pending(CUDA0, torch.bfloat16, big) == []
+
+
+def test_forcing_turns_it_off_but_auto_does_not(on, monkeypatch):
+    calls = []
+    monkeypatch.setattr(first_sight, "pending", lambda device, dtype, todo: calls.append(todo) or [])
+    monkeypatch.setattr(first_sight, "deferred", lambda device, dtype, todo: False)
+    from tritonmm import routes
+    todo = [(4096, 4096, 4096, "nt")]
+    monkeypatch.setenv("TRITONMM_BACKEND", "auto")
+    monkeypatch.setenv("TRITONMM_KERNEL", "auto")
+    routes._first_sight(todo, torch.bfloat16, CUDA0)
+    assert calls == [todo]
+    monkeypatch.setenv("TRITONMM_BACKEND", "torch")
+    routes._first_sight(todo, torch.bfloat16, CUDA0)
+    monkeypatch.delenv("TRITONMM_BACKEND")
+    with tritonmm.force_backend("triton"):
+        routes._first_sight(todo, torch.bfloat16, CUDA0)
+    assert calls == [todo]
+
+
+def test_recorded_entries_replace_the_table_other_threads_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuned, "device_signature", lambda device: SIG)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setenv("TRITONMM_TUNED_DIR", str(tmp_path))
+    monkeypatch.setitem(tuned._tables, 0, {"bfloat16:16:64:64:nt": _entry()})
+    before = tuned._tables[0]
+    path = tuned.record(CUDA0, {"bfloat16:4096:64:64:nt": _entry(first_sight_s=0.2)})
+    assert tuned._tables[0] is not before and set(before) == {"bfloat16:16:64:64:nt"}  # the old dict untouched
+    assert set(tuned._tables[0]) == {"bfloat16:16:64:64:nt", "bfloat16:4096:64:64:nt"}
+    assert path.name == "h200-sm90-132sms-triton3.6.0.json" and "bfloat16:4096:64:64:nt" in _table(path)["entries"]
 
 
 @pytest.mark.interpreter
@@ -206,19 +248,33 @@ def test_merge_creates_updates_and_bounds_the_table(tmp_path, monkeypatch):
     assert sorted(p.name for p in path.parent.iterdir()) == [".t.json.lock", "t.json"]  # no temporary file left
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"format": 1, "entries": {"k": {"backend": "tr', "",
+@pytest.mark.parametrize("content", ["{not json", '{"format": 1, "entries": {"k": {"backend": "tr', "", "[1, 2]",
+                                     "[" * 100_000,
                                      json.dumps({"format": 1, "capability": [8, 0], "sms": 108, "triton": "3.6.0",
                                                  "entries": {}}),
                                      json.dumps({"format": 1, **SIG, "triton": "3.5.0", "entries": {}})])
-def test_a_corrupt_truncated_or_foreign_file_is_replaced_with_one_warning(tmp_path, content):
+def test_a_corrupt_truncated_or_foreign_file_is_moved_aside_with_one_warning(tmp_path, content):
     path = tmp_path / "t.json"
     path.write_text(content)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tuned.merge_entries(path, SIG, "GPU", {"bfloat16:16:64:64:nt": _entry()})
-    assert len(caught) == 1 and "replacing tuned table" in str(caught[0].message)
+    assert len(caught) == 1 and "moved tuned table" in str(caught[0].message)
+    assert (tmp_path / "t.json.bad").read_text() == content  # kept for the user to look at
     got = tuned.read_table(path)
     assert got["capability"] == [9, 0] and got["triton"] == "3.6.0" and list(got["entries"]) == ["bfloat16:16:64:64:nt"]
+
+
+def test_an_invalid_entry_is_dropped_and_the_others_kept(tmp_path):
+    path = tmp_path / "t.json"
+    bad = {"backend": "triton", "kernel": "pointer", "config": {"BLOCK_M": 7}, "torch_us": 1.0, "triton_us": 0.5}
+    path.write_text(json.dumps({"format": 1, **SIG, "entries": {f"bfloat16:{m}:64:64:nt": _entry() for m in (1, 16)}
+                                | {"bfloat16:32:64:64:nt": bad}}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tuned.merge_entries(path, SIG, "GPU", {"bfloat16:64:64:64:nt": _entry()})
+    assert len(caught) == 1 and "dropping" in str(caught[0].message)
+    assert set(_table(path)["entries"]) == {"bfloat16:1:64:64:nt", "bfloat16:16:64:64:nt", "bfloat16:64:64:64:nt"}
 
 
 def test_another_triton_releases_table_beside_it_is_left_alone(tmp_path):

@@ -1,10 +1,12 @@
 """First-sight tuning: a GEMM that no tuned table of this GPU holds is measured at its first eager call.
 
-Which GEMMs: 2-D float16 / bfloat16 problems on a CUDA GPU large enough that a Triton kernel could save
-the dispatcher's ``TRITON_MIN_SAVING_US`` per call (:func:`worth_tuning`), with no entry in a table
-of this GPU and Triton release, or only a prior measured with another Triton release (whose winner
-is checked again this way). Smaller GEMMs go to cuBLAS without a measurement: there a Triton kernel
-cannot save what its launch costs on the host.
+Which GEMMs: 2-D float16 / bfloat16 problems on a CUDA GPU with K and N in whole 16-byte units (the
+others keep the padded path or cuBLAS), large enough that a Triton kernel could save the dispatcher's
+``TRITON_MIN_SAVING_US`` per call (:func:`worth_tuning`), with no entry in a table of this GPU and
+Triton release, or only a prior measured with another Triton release (whose winner is checked again
+this way; a prior naming the padded path holds). Smaller GEMMs go to cuBLAS without a measurement:
+there a Triton kernel cannot save what its launch costs on the host. A call's backward GEMMs are
+measured with its forward where that call needs gradients.
 
 How: before the first call runs, on the caller's stream, on random operands of the problem's shape
 and layout: cuBLAS (torch.matmul) is timed; where it takes at least :data:`MIN_TORCH_US`, the
@@ -15,9 +17,9 @@ tritonmm.bench`` times), the fastest against cuBLAS once more for longer, and it
 tuner's margins (:data:`MIN_GAIN`, :data:`MIN_GAIN_US`). The result is one entry of this machine's table (:func:`tuned.record`), which
 this process uses at once and later processes read, so a geometry is measured once per machine.
 
-When not: inside CUDA-graph capture and ``torch.compile`` tracing (the table or the heuristic
-serves, and the geometry is measured at its next eager call), with ``TRITONMM_FIRST_SIGHT=0``, with
-``TRITONMM_AUTOTUNE=0`` and under several ranks (timings differ between GPUs:
+When not: inside CUDA-graph capture, ``torch.compile`` tracing and torch function or dispatch modes
+(the table or the heuristic serves, and the geometry is measured at its next plain eager call), with
+``TRITONMM_FIRST_SIGHT=0``, a forced backend, ``TRITONMM_AUTOTUNE=0`` and under several ranks (timings differ between GPUs:
 :func:`tritonmm._env.deterministic_configs`). A layer that settled (:mod:`tritonmm.nn`) calls
 F.linear directly and meets no first sight for row counts it sees later;
 :func:`tritonmm.tune_model` measures a model's GEMMs ahead of time.
@@ -32,7 +34,7 @@ import warnings
 
 import torch
 
-from . import dispatch, layout, tuned
+from . import dispatch, layout, modes, tuned
 from ._env import autotune_enabled, deterministic_configs
 
 MIN_FLOPS = 2**34
@@ -48,6 +50,9 @@ MIN_TORCH_US = 2 * dispatch.TRITON_MIN_SAVING_US
 COMPILE_BUDGET_S = 0.7
 """Seconds from the start of a measurement after which no further candidate is compiled (nor one whose
 compile, at the longest so far, would end later); the timing that follows takes about 0.1-0.2 s."""
+CANDIDATE_US = 20_000
+"""At most this many µs of cuBLAS time per candidate (8 candidates up to 2.5 ms GEMMs, 2 from 10 ms): the
+sweep and the head-to-head run each contender a few times at least."""
 SWEEP_MS, PAIR_MS = 8, 30
 """ms of GPU samples per contender: in the sweep over cuBLAS and every candidate, then in the
 head-to-head of the fastest candidate and cuBLAS that decides."""
@@ -78,8 +83,12 @@ def enabled() -> bool:
 
 
 def worth_tuning(M: int, N: int, K: int, dtype: torch.dtype) -> bool:
-    """Whether an M x N x K GEMM of ``dtype`` is large enough to measure (:data:`MIN_FLOPS`, :data:`MIN_BYTES`)."""
-    return dtype in _DTYPES and (2 * M * N * K >= MIN_FLOPS or (M * K + K * N + M * N) * dtype.itemsize >= MIN_BYTES)
+    """Whether an M x N x K GEMM of ``dtype`` is large enough to measure (:data:`MIN_FLOPS`, :data:`MIN_BYTES`)
+    and has a K and N of whole 16-byte units (elsewhere the dispatcher's padded path or cuBLAS serves it, as
+    without first sight)."""
+    size = dtype.itemsize if dtype in _DTYPES else 0
+    return (size > 0 and layout.aligned(K, size) and layout.aligned(N, size)
+            and (2 * M * N * K >= MIN_FLOPS or (M * K + K * N + M * N) * size >= MIN_BYTES))
 
 
 def _flip(c: str) -> str:
@@ -111,17 +120,20 @@ def _unmeasured(device: torch.device, dtype: torch.dtype, todo: list[tuple]) -> 
         return []
     index = device.index if device.index is not None else torch.cuda.current_device()
     return [p for p in dict.fromkeys(todo) if (index, tuned.entry_key(dtype, *p)) not in _tried
-            and not tuned.measured(torch.device("cuda", index), dtype, *p)]
+            and not tuned.covered(torch.device("cuda", index), dtype, *p)]
 
 
 def _not_now() -> bool:
-    return torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+    """Compile tracing, CUDA-graph capture on this thread's stream, or a torch function or dispatch mode
+    (a FLOP counter, a tracer) that would see the measurement's calls."""
+    return not modes.eager() or torch.cuda.is_current_stream_capturing()
 
 
 def pending(device: torch.device, dtype: torch.dtype, todo: list[tuple]) -> list[tuple]:
-    """The problems of ``todo`` that would be measured now: first-sight tuning on, a CUDA device, no
-    capture or compile tracing, large enough, not in a table of this GPU and Triton release, not tried
-    in this process. Cheap: no GPU work."""
+    """The problems of ``todo`` that would be measured now: first-sight tuning on, a CUDA device, plain
+    eager mode and no capture, large and aligned enough, no entry of this GPU and Triton release (nor
+    of its sibling 16-bit dtype) and no prior naming the padded path, not tried in this process.
+    Cheap: no GPU work."""
     todo = _unmeasured(device, dtype, todo)
     return [] if not todo or _not_now() else todo
 
@@ -180,16 +192,16 @@ def _operand(rows: int, cols: int, tag: str, dtype, device, gen) -> torch.Tensor
     return t if tag == "n" else t.t()
 
 
-def candidates(plan, dtype: torch.dtype, device: torch.device) -> list[tuple[str, dict]]:
+def candidates(plan, dtype: torch.dtype, device: torch.device, keep: int = 8) -> list[tuple[str, dict]]:
     """(kernel, config) to try: the kernel the dispatcher would launch, its candidates pruned and
-    ranked as autotuning prunes them (:func:`kernels.configs.prune`)."""
+    ranked as autotuning prunes them (:func:`kernels.configs.prune`), at most ``keep``."""
     from .device import num_sms, smem_limit
     from .kernels import configs as cfg
 
     kernel, _, _ = dispatch.kernel_choice(plan, device, "auto")
     size = dtype.itemsize
     pool = cfg.prune(cfg.candidates(kernel), M=plan.M, N=plan.N, K=plan.K, itemsize=size, out_itemsize=size,
-                     kernel=kernel, smem_limit=smem_limit(device), num_sms=num_sms(device))
+                     kernel=kernel, smem_limit=smem_limit(device), num_sms=num_sms(device), keep=keep)
     return [(kernel, c) for c in pool]
 
 
@@ -213,16 +225,17 @@ def measure(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, ta
         bound = 4 * rounding_unit(dtype, device) * ref.abs().max().item()
         plan = shapes.plan(a, b)
         runs, longest = [], 0.0
-        for kernel, config in candidates(plan, dtype, device):
+        # long GEMMs: fewer candidates, so the timing of all of them stays within about a second
+        for kernel, config in candidates(plan, dtype, device, keep=max(2, min(8, int(CANDIDATE_US / torch_us)))):
             start = _clock()
-            if runs and start - t0 + longest > COMPILE_BUDGET_S:  # the next compile would overrun the budget
+            if res["configs"] and start - t0 + longest > COMPILE_BUDGET_S:  # the next compile would overrun it
                 break
             entry = {"kernel": kernel, "config": config}
             decision = dispatch.Decision("triton", kernel, "first-sight candidate", config=config,
                                          copies=layout.tma_copies(plan) if kernel == "tma" else ())
             try:
                 run = runners.build(plan, decision, dtype, device)
-                err = (run(a, b, None).float() - ref.float()).abs().max().item()
+                err = (run(a, b, None) - ref).abs_().max().item()  # in the output dtype: one temporary
             except Exception as exc:  # noqa: BLE001 - a config that does not compile or run is recorded, not fatal
                 entry["failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             else:

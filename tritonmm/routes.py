@@ -250,7 +250,8 @@ def _first_sight(todo: list, dtype: torch.dtype, device: torch.device) -> bool:
     """Measure the problems of ``todo`` that no table holds (:mod:`tritonmm.first_sight`); where one
     chose a Triton kernel, forget the routes, runners and plans decided before. True where they must
     wait for an eager call (CUDA-graph capture): the caller then keeps no route for the geometry."""
-    if _forced() is not None or raw_get(_BACKEND) is not None or raw_get(_KERNEL) is not None:
+    backend, kernel, _ = dispatch.forced()
+    if backend != "auto" or kernel != "auto":
         return False  # forced: the table is not consulted
     if first_sight.pending(device, dtype, todo):
         measured, changed = first_sight.tune(device, dtype, todo)

@@ -152,22 +152,19 @@ MAX_FIRST_SIGHT = 4096
 
 def merge_entries(path: pathlib.Path, sig: dict, device_name: str, entries: dict) -> None:
     """Add ``entries`` (table key -> entry) to the table at ``path``, under :func:`locked`, written with
-    :func:`atomic_write_text`. A file there that cannot be read or belongs to another GPU or Triton
-    release (``sig``) is replaced, with one warning. At most :data:`MAX_FIRST_SIGHT` first-sight
-    entries are kept."""
+    :func:`atomic_write_text`. At most :data:`MAX_FIRST_SIGHT` first-sight entries are kept. A file
+    there that is not a table of this GPU and Triton release (``sig``), unreadable or of another GPU or
+    release, is moved aside to ``<name>.bad`` with one warning; a table entry that does not validate
+    (a config of another candidate list, say) is dropped with one warning, the others kept.
+
+    Raises:
+        ValueError: an entry of ``entries`` is malformed (nothing is written).
+        OSError: the file could not be written.
+    """
     for key, entry in entries.items():
         _check_entry(key, entry)
     with locked(path):
-        table = None
-        if path.exists():
-            try:
-                table = parse_table(path)
-                if any(table.get(k) != sig[k] for k in ("capability", "sms", "triton")):
-                    raise ValueError(f"measured on another GPU or Triton release "
-                                     f"({', '.join(f'{k} {table.get(k)}' for k in ('capability', 'sms', 'triton'))})")
-            except _BAD_TABLE as exc:
-                warnings.warn(f"tritonmm: replacing tuned table {path}: {exc}", RuntimeWarning, stacklevel=3)
-                table = None
+        table = _mergeable(path, sig)
         if table is None:
             table = {"format": FORMAT, "device": device_name, **sig, "torch": torch.__version__,
                      "entries": {}, "measurements": []}
@@ -181,6 +178,34 @@ def merge_entries(path: pathlib.Path, sig: dict, device_name: str, entries: dict
         atomic_write_text(path, json.dumps(table, indent=1))
 
 
+def _mergeable(path: pathlib.Path, sig: dict) -> dict | None:
+    """The table at ``path`` with its valid entries, or None (nothing there, or moved aside: see
+    :func:`merge_entries`)."""
+    if not path.exists():
+        return None
+    try:
+        table = json.loads(path.read_text())
+        if not isinstance(table, dict) or table.get("format") != FORMAT or not isinstance(table.get("entries"), dict):
+            raise ValueError(f"format {table.get('format') if isinstance(table, dict) else None!r} is not {FORMAT}")
+        if any(table.get(k) != sig[k] for k in ("capability", "sms", "triton")):
+            raise ValueError("measured on another GPU or Triton release (" + ", ".join(
+                f"{k} {table.get(k)}" for k in ("capability", "sms", "triton")) + ")")
+    except (*_BAD_TABLE, RecursionError) as exc:
+        bad = path.with_name(path.name + ".bad")
+        os.replace(path, bad)
+        warnings.warn(f"tritonmm: moved tuned table {path} aside to {bad.name}: {exc}", RuntimeWarning, stacklevel=4)
+        return None
+    kept = {}
+    for key, entry in table["entries"].items():
+        try:
+            _check_entry(key, entry)
+            kept[key] = entry
+        except ValueError as exc:
+            warnings.warn(f"tritonmm: dropping from tuned table {path}: {exc}", RuntimeWarning, stacklevel=4)
+    table["entries"] = kept
+    return table
+
+
 def record(device: torch.device, entries: dict) -> pathlib.Path:
     """Add ``entries`` to the entries this process decides with and to this machine's table of ``device``
     (:func:`user_dir`, :func:`merge_entries`); returns the table's path.
@@ -189,7 +214,7 @@ def record(device: torch.device, entries: dict) -> pathlib.Path:
         OSError: the table could not be written (the entries hold in this process all the same).
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    _table_for(index).update(entries)
+    _tables[index] = {**_table_for(index), **entries}  # a new dict: other threads may be reading the old one
     weight_used.cache_clear()
     sig = device_signature(device)
     name = torch.cuda.get_device_name(device)
@@ -257,6 +282,18 @@ def _read_tables(index: int) -> dict:
         else:
             priors.update({k: prior_entry(e, str(data.get("triton"))) for k, e in data["entries"].items()})
     return {**priors, **entries}
+
+
+def covered(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, layout: str) -> bool:
+    """Whether the entry the dispatcher would look up for this problem (:func:`lookup_keys` order) is a
+    measurement of this GPU and Triton release, or a prior naming the padded path (which does not
+    depend on Triton): what first-sight tuning leaves alone."""
+    entries = _entries(device)
+    for key in lookup_keys(dtype, M, N, K, layout):
+        e = entries.get(key)
+        if e is not None:
+            return "prior" not in e or e.get("kernel") == "padded"
+    return False
 
 
 def measured(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, layout: str) -> bool:
