@@ -294,7 +294,7 @@ def _writer(path, start, count):
 def test_concurrent_processes_keep_every_entry(tmp_path):
     path = tmp_path / "t.json"
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_writer, args=(path, 1000 * p, 20)) for p in range(4)]
+    procs = [ctx.Process(target=_writer, args=(path, 1000 * p + 1, 20)) for p in range(4)]
     for p in procs:
         p.start()
     for p in procs:
@@ -368,3 +368,16 @@ def test_gpu_nothing_is_measured_in_capture_or_compile_and_the_next_eager_call_m
     assert first_sight.stats["measured"] == before
     torch.testing.assert_close(tritonmm.linear(x, w), want)
     assert first_sight.stats["measured"] == before + 1
+
+
+@pytest.mark.parametrize("reason, noted", [
+    ("not in this GPU's tuned table: cuBLAS", True),
+    ("tuned table (measured with triton 3.5.0, used as a prior): measured 1.30x cuBLAS", True),
+    ("tuned table: cuBLAS measured faster (Triton 0.90x)", False),
+])
+def test_explain_says_when_a_measurement_is_due(reason, noted, monkeypatch):
+    decision = dispatch.Decision("torch", None, reason)
+    monkeypatch.setattr(runners, "lookup", lambda *args: runners.Prepared(decision, None))
+    monkeypatch.setattr(first_sight, "pending", lambda device, dtype, todo: todo)
+    got = tritonmm.explain(randn(64, 64), randn(64, 64)).reason
+    assert got.startswith(reason) and ("first-sight tuning" in got) == noted

@@ -78,6 +78,22 @@ def test_read_table_rejects_bad_files(tmp_path):
         assert tuned.read_table(tmp_path / "missing.json") is None
 
 
+@pytest.mark.parametrize("key, entry", [
+    ("bfloat16:16:64:nt", {}), ("bfloat16:x:64:64:nt", {}), ("bfloat16:0:64:64:nt", {}),
+    ("int8:16:64:64:nt", {}), ("bfloat16:16:64:64:xx", {}),
+    ("bfloat16:16:64:64:nt", {"torch_us": None}), ("bfloat16:16:64:64:nt", {"torch_us": "5"}),
+    ("bfloat16:16:64:64:nt", {"torch_us": True}),
+])
+def test_read_table_rejects_entries_the_dispatcher_could_not_read(tmp_path, key, entry):
+    """Keys and cuBLAS times are read on the dispatcher's path (``weight_used``, ``_table_decision``): a
+    table holding a malformed one is refused when read, never failing a call later."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {key: {
+        "backend": "torch", "kernel": None, "config": None, "torch_us": 5.0, **entry}}}))
+    with pytest.warns(RuntimeWarning, match="ignoring tuned table"):
+        assert tuned.read_table(path) is None
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_read_table_validates_every_named_config(tmp_path, backend):
     """An entry's config is checked also where cuBLAS won (the benchmark forces that config for its

@@ -151,10 +151,10 @@ def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
         if dtype is not None:
             a, b = routes._cast(a, dtype), routes._cast(b, dtype)
     decision = runners.lookup(a, b, None, "none", "matmul").decision
-    if decision.backend == "torch" and decision.reason.startswith("not in this GPU's tuned table"):
+    if decision.reason.startswith("not in this GPU's tuned table") or "used as a prior" in decision.reason:
         p = shapes.plan(a, b)
         if p.batch == 1 and first_sight.pending(a.device, a.dtype, [(p.M, p.N, p.K, layout.tag(p))]):
-            return dataclasses.replace(decision, reason=decision.reason + " until its first eager call measures "
+            return dataclasses.replace(decision, reason=decision.reason + ", until its first eager call measures "
                                                                           "it (first-sight tuning)")
     return decision
 

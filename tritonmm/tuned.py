@@ -87,12 +87,27 @@ def user_dir() -> pathlib.Path:
     return pathlib.Path(cache) / "tritonmm" / "tuned"
 
 
+_KEY_DTYPES = ("float16", "bfloat16", "float32")
+_KEY_LAYOUTS = ("nn", "nt", "tn", "tt")
+
+
+def _check_key(key) -> None:
+    """Raise ValueError unless ``key`` reads ``dtype:M:N:K:layout`` (:func:`entry_key`)."""
+    parts = key.split(":") if isinstance(key, str) else []
+    if not (len(parts) == 5 and parts[0] in _KEY_DTYPES and all(x.isdigit() and int(x) > 0 for x in parts[1:4])
+            and parts[4] in _KEY_LAYOUTS):
+        raise ValueError(f"key {key!r} is not dtype:M:N:K:layout")
+
+
 def _check_entry(key, e) -> None:
-    """Raise ValueError unless ``e`` is a well-formed table entry (configs are data: ints under known names)."""
+    """Raise ValueError unless ``key`` and ``e`` make a well-formed table entry (configs are data: ints
+    under known names; every entry has its cuBLAS time)."""
+    _check_key(key)
     if not isinstance(e, dict) or e.get("backend") not in ("torch", "triton"):
         raise ValueError(f"entry {key!r}: backend must be 'torch' or 'triton'")
     for timing in ("torch_us", "triton_us"):
-        if e.get(timing) is not None and not isinstance(e[timing], (int, float)):
+        if (e.get(timing) is not None or timing == "torch_us") and (
+                not isinstance(e.get(timing), (int, float)) or isinstance(e.get(timing), bool)):
             raise ValueError(f"entry {key!r}: {timing} is not a number")
     if e["backend"] == "triton" or e.get("config") is not None:  # a torch entry names its fastest Triton config
         try:
