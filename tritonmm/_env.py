@@ -29,18 +29,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off", "no")
 
 
+def switch(name: str) -> bool:
+    """An on/off variable, on by default (unset or empty): 1/true/on/yes or 0/false/off/no.
+
+    Raises:
+        ValueError: the variable holds anything else.
+    """
+    raw = os.environ.get(name, "1").strip().lower()
+    if raw in ("1", "true", "on", "yes", ""):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"environment variable {name}={os.environ[name]!r} is not 0 or 1")
+
+
 def autotune_enabled() -> bool:
     """``TRITONMM_AUTOTUNE`` (default 1): 0 picks configs by the quantization heuristic, without benchmarking.
 
     Raises:
         ValueError: the variable holds something other than 0/1/true/false/on/off/yes/no.
     """
-    raw = os.environ.get("TRITONMM_AUTOTUNE", "1").strip().lower()
-    if raw in ("1", "true", "on", "yes", ""):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"environment variable TRITONMM_AUTOTUNE={os.environ['TRITONMM_AUTOTUNE']!r} is not 0 or 1")
+    return switch("TRITONMM_AUTOTUNE")
 
 
 def deterministic_configs() -> bool:

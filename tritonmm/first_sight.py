@@ -27,7 +27,6 @@ F.linear directly and meets no first sight for row counts it sees later;
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
@@ -35,7 +34,7 @@ import warnings
 import torch
 
 from . import dispatch, layout, modes, tuned
-from ._env import autotune_enabled, deterministic_configs
+from ._env import autotune_enabled, deterministic_configs, switch
 
 MIN_FLOPS = 2**34
 """FLOP (2·M·N·K) from which a GEMM is measured at first sight (or :data:`MIN_BYTES`): about 25 µs of
@@ -75,11 +74,7 @@ def enabled() -> bool:
     Raises:
         ValueError: ``TRITONMM_FIRST_SIGHT`` or ``TRITONMM_AUTOTUNE`` holds something other than 0 or 1.
     """
-    raw = os.environ.get("TRITONMM_FIRST_SIGHT", "1").strip().lower()
-    if raw not in ("1", "true", "on", "yes", "", "0", "false", "off", "no"):
-        raise ValueError(f"environment variable TRITONMM_FIRST_SIGHT={os.environ['TRITONMM_FIRST_SIGHT']!r} "
-                         f"is not 0 or 1")
-    return raw not in ("0", "false", "off", "no") and autotune_enabled() and not deterministic_configs()
+    return switch("TRITONMM_FIRST_SIGHT") and autotune_enabled() and not deterministic_configs()
 
 
 def worth_tuning(M: int, N: int, K: int, dtype: torch.dtype) -> bool:
@@ -151,9 +146,9 @@ def tune(device: torch.device, dtype: torch.dtype, todo: list[tuple]) -> tuple[i
 
     A problem whose measurement fails is left to cuBLAS, with one RuntimeWarning."""
     changed, count = False, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
         for M, N, K, tag in pending(device, dtype, todo):  # again under the lock: another thread may have measured it
-            index = device.index if device.index is not None else torch.cuda.current_device()
             key = tuned.entry_key(dtype, M, N, K, tag)
             _tried.add((index, key))
             t0 = _clock()

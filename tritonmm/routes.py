@@ -241,9 +241,8 @@ def _linear_entry(key, x: Tensor, weight: Tensor, bias, activation: str, autocas
     fwd = dispatch.torch_everywhere([(M, N, K, 1)], dtype, x.device)
     bwd = fwd and dispatch.torch_everywhere([(M, K, N, 1), (N, K, M, 1)], dtype, x.device)
     call = _torch_linear_call(activation)
-    if later:
-        return _deferred(call if bwd else Route(call, fwd, "linear", activation, autocast, x))
-    return _remember(key, call if bwd else Route(call, fwd, "linear", activation, autocast, x))
+    fn = call if bwd else Route(call, fwd, "linear", activation, autocast, x)
+    return _deferred(fn) if later else _remember(key, fn)
 
 
 def _first_sight(todo: list, dtype: torch.dtype, device: torch.device) -> bool:
@@ -297,9 +296,8 @@ def _matmul_entry(key, a: Tensor, b: Tensor, autocast):
     fwd = dispatch.torch_everywhere(fwd_problems, dtype, a.device)
     bwd = fwd and dispatch.torch_everywhere(bwd_problems, dtype, a.device)
     call = _torch_matmul_call(a, b)
-    if later:
-        return _deferred(call if bwd else Route(call, fwd, "matmul", "none", autocast, a))
-    return _remember(key, call if bwd else Route(call, fwd, "matmul", "none", autocast, a))
+    fn = call if bwd else Route(call, fwd, "matmul", "none", autocast, a)
+    return _deferred(fn) if later else _remember(key, fn)
 
 
 def _require_tensor(name: str, value, op: str) -> None:

@@ -126,11 +126,17 @@ def parse_table(path: pathlib.Path) -> dict:
         OSError, ValueError, AttributeError, TypeError: unreadable, truncated, of another format, or
             holding a malformed entry.
     """
-    data = json.loads(path.read_text())
-    if data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
-        raise ValueError(f"format {data.get('format')!r} is not {FORMAT}")
+    data = _load(path)
     for key, entry in data["entries"].items():
         _check_entry(key, entry)
+    return data
+
+
+def _load(path: pathlib.Path) -> dict:
+    """The JSON at ``path`` if it is a table of this format (entries not checked)."""
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
+        raise ValueError(f"format {data.get('format') if isinstance(data, dict) else None!r} is not {FORMAT}")
     return data
 
 
@@ -199,9 +205,7 @@ def _mergeable(path: pathlib.Path, sig: dict) -> dict | None:
     if not path.exists():
         return None
     try:
-        table = json.loads(path.read_text())
-        if not isinstance(table, dict) or table.get("format") != FORMAT or not isinstance(table.get("entries"), dict):
-            raise ValueError(f"format {table.get('format') if isinstance(table, dict) else None!r} is not {FORMAT}")
+        table = _load(path)
         if any(table.get(k) != sig[k] for k in ("capability", "sms", "triton")):
             raise ValueError("measured on another GPU or Triton release (" + ", ".join(
                 f"{k} {table.get(k)}" for k in ("capability", "sms", "triton")) + ")")
