@@ -35,6 +35,11 @@ from tritonmm._env import raw_env
 tritonmm.linear(x, w, b); tritonmm.matmul(x, w.t())
 g.update(api=api, raw_env=raw_env, wt=w.t(), plan=routes.plans.get(id(w)))
 print("plan", g["plan"] and g["plan"][0])
+from tritonmm import dispatch, tuned
+print("weight_free fwd+bwd / fwd:", dispatch.weight_free(5632, 2048, w.dtype, w.device),
+      dispatch.weight_free(5632, 2048, w.dtype, w.device, False))
+print("table entries taking a Triton kernel or the padded path:",
+      sorted(k for k, e in tuned._table_for(0).items() if e.get("kernel") == "padded" or e.get("backend") == "triton"))
 for s in ["pass", "api._dynamo_compiling()", "api._is_compiling()", "api._plans_get(id(w))", "api._forced()",
           "api._BACKEND not in raw_env", "w.data_ptr()", "api._grad_enabled()", "x.requires_grad"]:
     print(f"{t(s, 100000):9.1f} ns  {s}")

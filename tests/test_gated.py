@@ -116,11 +116,12 @@ def test_no_grad_calls_replay_a_bound_launch_per_geometry():
     with torch.no_grad():
         tritonmm.gated_linear(x, wg, wu, bg, bu)
         assert len(gated._fast) == 1
-        for other in (randn(9, 48), randn(3, 3, 48), randn(9, 96)[:, ::2], randn(9, 48, dtype=torch.float16)):
+        for other in (randn(9, 48), randn(3, 3, 48), randn(9, 96)[:, ::2], randn(9, 48, dtype=torch.float16),
+                      randn(9, 96)[:, :48], randn(3, 3, 96)[..., 48:]):  # (row-strided views: read in place)
             w = (wg, wu, bg, bu) if other.dtype == x.dtype else (wg.half(), wu.half(), bg.half(), bu.half())
             for _ in range(2):  # the second call replays
                 assert_close_to_ref(tritonmm.gated_linear(other, *w), other, *w)
-        assert len(gated._fast) == 4  # the strided input is copied, so it keys on its own geometry but replays too
+        assert len(gated._fast) == 6  # the strided input is copied, so it keys on its own geometry but replays too
     with pytest.raises(RuntimeError, match="cannot be multiplied"):  # torch's own message
         tritonmm.gated_linear(randn(9, 40), wg, wu, bg, bu)
 
@@ -579,3 +580,46 @@ def test_zero_output_features_with_saved_projections(product_path):
     for rows in (4, 17):
         h, g, u = torch.ops.tritonmm.gated_linear(randn(rows, 8), randn(0, 8), randn(0, 8), None, None, "silu", True)
         assert h.shape == (rows, 0) and g.shape == u.shape == (rows, 0)
+
+
+@pytest.mark.parametrize("rows,hidden,inter,product", [
+    (512, 4096, 14336, True),   # Llama-3-8B's MLP at 512 tokens: 6e10 FLOP per projection, GPU-bound on the H200
+    (4096, 2048, 5632, True),   # TinyLlama's at 4096 tokens
+    (512, 2048, 5632, False),   # TinyLlama's at 512 tokens: 1.2e10 FLOP, host-bound (0.74x with the product path)
+    (4096, 1024, 2816, False),  # the model benchmark's small config at 4096 tokens: 2.4e10 FLOP (0.95x)
+])
+def test_product_threshold_separates_the_measured_gpu_bound_and_host_bound_mlps(rows, hidden, inter, product):
+    """PRODUCT_MIN_FLOPS sits between the MLP sizes measured slower with the product path (host-bound) and
+    those measured faster (gated.py's docstring; benchmarks/h200_mlp.json)."""
+    x = torch.empty(rows, hidden, device="meta")
+    w = torch.empty(inter, hidden, device="meta")
+    assert gated.torch_serves(x, w) is not product
+
+
+def test_replay_is_not_taken_by_neg_views_zero_tensors_or_a_bias_of_another_alignment():
+    """The bound replay keys on geometry: an operand of the same geometry with a pending negation
+    (``x.conj().imag``), a storage-less zero tensor or a bias at another 16-byte alignment (Triton
+    specializes pointers on it) takes the checked path, and the result is right."""
+    tritonmm.clear_cache()
+    x, wg, wu, bg, bu = operands(4, 8, 1, bias=True)  # K = 1: a neg view keeps a unit last stride
+    with torch.no_grad():
+        real = torch.view_as_real(torch.complex(randn(4, 1), x))[..., 1]  # x's values, strides (2, 2)
+        neg = torch.complex(randn(4, 1), -x).conj().imag  # x's values through a pending negation
+        assert neg.is_neg() and neg.stride() == real.stride() and torch.equal(neg, x)
+        for t in (real, real, neg, neg):  # the second call of each replays, where allowed
+            assert_close_to_ref(tritonmm.gated_linear(t, wg, wu, bg, bu), x, wg, wu, bg, bu)
+        for _ in range(2):
+            assert_close_to_ref(tritonmm.gated_linear(x, wg, wu, bg, bu), x, wg, wu, bg, bu)
+        neg_w = torch._neg_view(-wg)  # wg, read through a pending negation
+        neg_b = torch._neg_view(-bg)
+        assert_close_to_ref(tritonmm.gated_linear(x, neg_w, wu, neg_b, bu), x, wg, wu, bg, bu)
+        zero = torch._efficientzerotensor(x.shape)
+        ref = gated.reference(torch.zeros_like(x), wg, wu, bg, bu)
+        torch.testing.assert_close(tritonmm.gated_linear(zero, wg, wu, bg, bu), ref)
+        launchers = len(gated._launchers)
+        shifted = randn(2 * 8 + 1)[1:9]  # the same bias values at another alignment
+        shifted.copy_(bg)
+        assert shifted.data_ptr() % 16 != bg.data_ptr() % 16
+        for _ in range(2):
+            assert_close_to_ref(tritonmm.gated_linear(x, wg, wu, shifted, bu), x, wg, wu, bg, bu)
+        assert len(gated._launchers) == launchers + 1  # its own launcher, not the aligned bias's

@@ -151,8 +151,20 @@ def _linear_type(m) -> bool:
 
 def _hooked(m) -> bool:
     """Forward or backward hooks, or a forward set on the instance (as accelerate's hooks do)."""
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                or "forward" in m.__dict__)
+    d = m.__dict__
+    return bool(d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
+                or "forward" in d)
+
+
+def _any_hooked(*modules) -> bool:
+    """:func:`_hooked` of any of ``modules``, or a global module hook."""
+    for m in modules:
+        d = m.__dict__
+        if d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"] \
+                or "forward" in d:
+            return True
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+                or _module._global_backward_pre_hooks)
 
 
 def _global_hooks() -> bool:
@@ -183,12 +195,15 @@ def _fused_forward(self, x):
             # the recognised forward on the modules already looked up (self.<name> costs a Module.__getattr__ each)
             return down(act(gate(x)) * up(x)) if act is not None else down(self.act_fn(gate(x)) * up(x))
         name = activation_name(act)
-        if name is not None and _linear_type(gate) and _linear_type(up) and not (
-                _hooked(gate) or _hooked(up) or _hooked(act) or _global_hooks()):
-            wg, wu, bg, bu = _param(gate, "weight"), _param(up, "weight"), _param(gate, "bias"), _param(up, "bias")
+        if name is not None and _linear_type(gate) and _linear_type(up) and not _any_hooked(gate, up, act):
+            pg, pu = gate._parameters, up._parameters
+            wg, wu, bg, bu = pg.get("weight", _MISSING), pu.get("weight", _MISSING), pg.get("bias", _MISSING), \
+                pu.get("bias", _MISSING)
+            if wg is _MISSING or wu is _MISSING or bg is _MISSING or bu is _MISSING:  # not parameters: as modules read them
+                wg, wu, bg, bu = _param(gate, "weight"), _param(up, "weight"), _param(gate, "bias"), _param(up, "bias")
             if _plain_params(wg, bg) and _plain_params(wu, bu):  # (torch_serves was checked above)
                 h = gated_linear(x, wg, wu, bg, bu, name)
-                if type(down).forward in _TORCH_LINEAR_FORWARDS and _linear_type(down) and not _hooked(down):
+                if type(down).forward in _TORCH_LINEAR_FORWARDS and _linear_type(down) and not _any_hooked(down):
                     return _F_linear(h, _param(down, "weight"), _param(down, "bias"))  # its forward, without __call__
                 return down(h)
     return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # the recognised forward, written out

@@ -37,23 +37,24 @@ GATED_MAX_M = 16
 """Rows (M) up to which the gated GEMM kernel serves a call: decode-sized GEMMs, memory- and launch-bound,
 where one kernel instead of four saves launches and a pass over the projections. Above it cuBLAS runs
 the projections and one Triton pass the activation and product: on the H200 the gated GEMM kernels ran
-at 0.82-0.91x of eager from M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``,
+at 0.77-0.91x of eager from M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``,
 ``kernel_ratio``)."""
-PRODUCT_MIN_FLOPS = 2**36
-"""FLOP per projection (2·M·N·K) from which calls of more than :data:`GATED_MAX_M` rows take the cuBLAS +
-product path; smaller ones run the torch expression (eager's kernels), where the host sets the pace and
-the path's host time costs more than its pass saves. On the H200, with the path at any size: a TinyLlama
-MLP (2048 / 5632) forward + backward at 512 rows (1.2e10 FLOP per projection) ran at 0.74x of eager, and
-in the small model of ``benchmarks/h200_model.json`` (1024 / 2816) eager prefill of 512 and 4096 tokens
-(3e9 and 2.4e10 FLOP) with ``fuse`` at 0.95-0.96x; from 6e10 FLOP (Llama-3-8B's MLP at 512 rows,
-TinyLlama's at 4096) the GPU sets the pace and the forward ran at 1.01-1.05x, forward + backward at
-0.99-1.06x (``benchmarks/h200_mlp.json``)."""
+PRODUCT_MIN_FLOPS = 2**35
+"""FLOP per projection (2·M·N·K, 3.4e10 here) from which calls of more than :data:`GATED_MAX_M` rows take
+the cuBLAS + product path; smaller ones run the torch expression (eager's kernels), where the host sets the
+pace and the path's host time costs more than its pass saves. On the H200, with the path at any size: a
+TinyLlama MLP (2048 / 5632) forward + backward at 512 rows (1.2e10 FLOP per projection) ran at 0.74x of
+eager, and in the small model of ``benchmarks/h200_model.json`` (1024 / 2816) eager prefill of 512 and 4096
+tokens (3e9 and 2.4e10 FLOP) with ``fuse`` at 0.95-0.96x; from 6e10 FLOP (Llama-3-8B's MLP at 512 rows,
+TinyLlama's at 4096) the GPU sets the pace and the forward ran at 1.01-1.06x, forward + backward at
+0.99-1.07x over the runs (``benchmarks/h200_mlp.json``)."""
 TMA_MIN_M = 64
 """Rows above which the persistent TMA kernel serves (on sm_90+, aligned operands; reached by
 :func:`forward` callers that pass larger M); the pointer kernel's small-M tiles serve the rest."""
 _LAUNCHERS_MAX = 1024
 _launchers: dict = {}
 _is_compiling = torch.compiler.is_compiling
+_empty = torch.empty  # the kernels' output allocator (tests swap in a NaN-filling one)
 
 
 def reference(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
@@ -131,19 +132,19 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
     if kernel is None or kernel == "tma" and not _tma_ok(x2, w_gate, w_up):
         kernel = choose_kernel(x2, w_gate, w_up)
     bias_strides = None if b_gate is None else (b_gate.stride(0), b_up.stride(0))
-    key = _launcher_key(kernel, x2, w_gate, w_up, bias_strides, save, activation, config)
+    key = _launcher_key(kernel, x2, w_gate, w_up, b_gate, b_up, save, activation, config)
     launch = _launchers.get(key)
     if launch is None:
         if len(_launchers) >= _LAUNCHERS_MAX:
             _launchers.clear()
         launch = _launchers[key] = gated_launcher(kernel, M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0),
                                                   x.dtype, x.device, bias_strides, save, activation, config)
-    out = torch.empty((*lead, N), dtype=x.dtype, device=x.device)  # not a view: in-place use stays allowed
+    out = _empty((*lead, N), dtype=x.dtype, device=x.device)  # not a view: in-place use stays allowed
     h = out.view(M, N)
     g = u = None
     if save:
-        g = torch.empty((M, N), dtype=x.dtype, device=x.device)
-        u = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        g = _empty((M, N), dtype=x.dtype, device=x.device)
+        u = _empty((M, N), dtype=x.dtype, device=x.device)
     try:
         launch(x2, w_gate, w_up, b_gate, b_up, h, g, u)
     except LAUNCH_FAILURES as e:  # a config that does not compile or fit here: torch serves, once warned
@@ -154,13 +155,15 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
     return out, g, u
 
 
-def _launcher_key(kernel, x2, w_gate, w_up, bias_strides, save, activation, config) -> tuple:
+def _launcher_key(kernel, x2, w_gate, w_up, b_gate, b_up, save, activation, config) -> tuple:
     """What a gated launcher is built for: kernel, sizes, strides, dtype, device, epilogue, config and
-    the operands' 16-byte alignment."""
+    the operands' 16-byte alignment (Triton specializes every pointer on it)."""
     (M, K), N = x2.shape, w_gate.shape[0]
+    bias_strides = None if b_gate is None else (b_gate.stride(0), b_up.stride(0))
+    bias_aligned = b_gate is None or b_gate.data_ptr() % 16 == 0 and b_up.data_ptr() % 16 == 0
     return (kernel, M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0), x2.dtype, x2.device, bias_strides, save,
             activation, None if config is None else tuple(sorted(config.items())),
-            x2.data_ptr() % 16 == 0 and w_gate.data_ptr() % 16 == 0 and w_up.data_ptr() % 16 == 0)
+            x2.data_ptr() % 16 == 0 and w_gate.data_ptr() % 16 == 0 and w_up.data_ptr() % 16 == 0, bias_aligned)
 
 
 def _failed(x2, w_gate, w_up, b_gate, b_up, h, g, u, activation):
@@ -274,21 +277,26 @@ _INTERPRET = raw_name("TRITON_INTERPRET")
 
 def _fast_key(x, wg, wu, bg, bu, activation):
     """The geometry key of a call that may take the fast path (None: it may not): plain eager mode, no
-    gradient, no autocast; types, shapes, strides, dtypes, devices and 16-byte alignments."""
+    gradient, no autocast, no pending negation (``x.conj().imag``) or storage-less zero tensor; types,
+    shapes, strides, dtypes, devices and 16-byte alignments."""
     if _grad_enabled() and (x.requires_grad or wg.requires_grad or wu.requires_grad
                             or bg is not None and (bg.requires_grad or bu.requires_grad)):
         return None
     if (_any_autocast() or routes._functorch_active() or routes._fw_ad._current_level >= 0
             or routes._tracing_state() is not None or routes._function_modes() or routes._dispatch_modes()):
         return None
+    px, pg, pu = x.data_ptr(), wg.data_ptr(), wu.data_ptr()
+    if not (px and pg and pu) or x.is_neg() or wg.is_neg() or wu.is_neg():  # (a zero tensor's pointer is 0)
+        return None
+    if bg is not None and (not (bg.data_ptr() and bu.data_ptr()) or bg.is_neg() or bu.is_neg()):
+        return None
     return (type(x), type(wg), type(wu), x.shape, x.stride(), x.dtype, x.device, wg.shape, wg.stride(), wg.dtype,
-            wg.device, wu.shape, wu.stride(), wu.dtype, wu.device, x.data_ptr() & 15, wg.data_ptr() & 15,
-            wu.data_ptr() & 15, activation, _bias_key(bg), _bias_key(bu), routes.raw_get(routes._AUTOTUNE),
-            routes.raw_get(_INTERPRET))
+            wg.device, wu.shape, wu.stride(), wu.dtype, wu.device, px & 15, pg & 15, pu & 15, activation,
+            _bias_key(bg), _bias_key(bu), routes.raw_get(routes._AUTOTUNE), routes.raw_get(_INTERPRET))
 
 
 def _bias_key(b):
-    return None if b is None else (type(b), b.shape, b.stride(), b.dtype, b.device)
+    return None if b is None else (type(b), b.shape, b.stride(), b.dtype, b.device, b.data_ptr() & 15)
 
 
 def _fast_eligible(x, wg, wu, bg, bu) -> bool:
@@ -310,24 +318,28 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
             return g
     else:
         x2 = x.reshape(-1, K)
+        view = x2.data_ptr() == x.data_ptr()  # x is read in place: the launcher takes its pointer, strides bound
         contiguous = x2.stride(-1) != 1 and x2.shape[-1] != 1
         if contiguous:
             x2 = x2.contiguous()
         dtype, device, out_shape = x.dtype, x.device, (*lead, N)
         kernel = choose_kernel(x2, wg, wu)
-        launch = _launchers.get(_launcher_key(kernel, x2, wg, wu,
-                                              None if bg is None else (bg.stride(0), bu.stride(0)), False, activation,
-                                              None))
+        launch = _launchers.get(_launcher_key(kernel, x2, wg, wu, bg, bu, False, activation, None))
         if launch is None or isinstance(launch, functools.partial) or M == 0:  # not built, failed, or empty
             return
-
-        def run(x, wg, wu, bg, bu):
-            x2 = x.reshape(M, K)
-            if contiguous:
-                x2 = x2.contiguous()
-            h = torch.empty((M, N), dtype=dtype, device=device)
-            launch(x2, wg, wu, bg, bu, h, None, None)
-            return h.view(out_shape)
+        if view and not contiguous:  # (the key fixes x's shape and strides, so every call's x is such a view)
+            def run(x, wg, wu, bg, bu):
+                h = _empty(out_shape, dtype=dtype, device=device)  # contiguous: (M, N) in memory
+                launch(x, wg, wu, bg, bu, h, None, None)
+                return h
+        else:
+            def run(x, wg, wu, bg, bu):
+                x2 = x.reshape(M, K)
+                if contiguous:
+                    x2 = x2.contiguous()
+                h = _empty(out_shape, dtype=dtype, device=device)
+                launch(x2, wg, wu, bg, bu, h, None, None)
+                return h
 
     if len(_fast) >= _FAST_MAX:
         _fast.clear()

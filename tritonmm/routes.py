@@ -334,6 +334,15 @@ def plan(weight: Tensor, N: int, K: int) -> None:
     plans[id(weight)] = (free, ptr, shape)
 
 
+def _planned(weight: Tensor) -> bool:
+    """Whether ``weight`` has a current plan (free or not): :func:`plan` would return at once."""
+    current = plans.get(id(weight))
+    try:
+        return current is not None and current[1] == weight.data_ptr() and current[2] == weight.shape
+    except RuntimeError:  # no storage (functorch's batched tensors): plan() decides
+        return False
+
+
 def matmul_keyed(input: Tensor, other: Tensor) -> Tensor:
     """``tritonmm.matmul`` through the keyed cache."""
     try:
@@ -351,7 +360,8 @@ def matmul_keyed(input: Tensor, other: Tensor) -> Tensor:
         if modes.torch_only(input, other) or not modes.plain(input, other):
             return matmul_slow(input, other)
         fn = _matmul_entry(key, input, other, key[4])
-    if (fn is torch.matmul or type(fn) is Route and fn.forward_torch) and other.dim() == 2:
+    if (fn is torch.matmul or type(fn) is Route and fn.forward_torch) and other.dim() == 2 \
+            and not _planned(other):
         plan(other, other.shape[1], other.shape[0])
     return fn(input, other)
 
@@ -376,7 +386,7 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
         if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias):
             return linear_slow(input, weight, bias, activation)
         fn = _linear_entry(key, input, weight, bias, activation, key[5])
-    if fn in _TORCH_LINEAR or type(fn) is Route and fn.forward_torch:
+    if (fn in _TORCH_LINEAR or type(fn) is Route and fn.forward_torch) and not _planned(weight):
         plan(weight, *weight.shape)
     return fn(input, weight, bias)
 
