@@ -149,22 +149,15 @@ def _linear_type(m) -> bool:
     return hit[0]
 
 
-def _hooked(m) -> bool:
-    """Forward or backward hooks, or a forward set on the instance (as accelerate's hooks do)."""
-    d = m.__dict__
-    return bool(d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
-                or "forward" in d)
-
-
 def _any_hooked(*modules) -> bool:
-    """:func:`_hooked` of any of ``modules``, or a global module hook."""
+    """Forward or backward hooks on any of ``modules`` or globally, or a forward set on an instance (as
+    accelerate's hooks do)."""
     for m in modules:
         d = m.__dict__
         if d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"] \
                 or "forward" in d:
             return True
-    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
-                or _module._global_backward_pre_hooks)
+    return _global_hooks()
 
 
 def _global_hooks() -> bool:
@@ -223,7 +216,7 @@ def _fused_sequential_forward(self, input):
         if pairs and i + 1 < n:
             act = children[i + 1]
             name = activation_name(act)
-            if name is not None and _linear_type(m) and not (_hooked(m) or _hooked(act)):
+            if name is not None and _linear_type(m) and not _any_hooked(m, act):
                 weight, bias = m.weight, m.bias
                 if _plain_params(weight, bias):
                     input = linear(input, weight, bias, name)

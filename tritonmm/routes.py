@@ -315,23 +315,19 @@ holds for every GEMM of the weight, 1 where only for its forward (calls without 
 
 def plan(weight: Tensor, N: int, K: int) -> None:
     """Record whether ``weight``, read as an (N, K) linear weight, is free of tritonmm (never reaches a
-    Triton kernel or the padded path under automatic dispatch), unless its plan is current. Called where
-    a call of the weight resolved to torch itself; plans are made in the default state only (nothing
-    forced), for plain tensors."""
+    Triton kernel or the padded path under automatic dispatch). Called where a call of the weight resolved
+    to torch itself and its plan is not current (:func:`_planned`); plans are made in the default state
+    only (nothing forced), for plain tensors."""
     if _forced() is not None or raw_get(_BACKEND) is not None or raw_get(_KERNEL) is not None:
         return
     if type(weight) not in _PLAIN or not modes.plain(weight) or modes.torch_only(weight) \
             or _tracing_state() is not None:
         return  # (functorch's batched tensors are plain tensors without storage; a jit trace makes none)
-    ptr, shape = weight.data_ptr(), weight.shape
-    current = plans.get(id(weight))
-    if current is not None and current[1] == ptr and current[2] == shape:
-        return
     if len(plans) >= PLANS_MAX:
         plans.clear()
     dtype, device = weight.dtype, weight.device
     free = 2 if dispatch.weight_free(N, K, dtype, device) else int(dispatch.weight_free(N, K, dtype, device, False))
-    plans[id(weight)] = (free, ptr, shape)
+    plans[id(weight)] = (free, weight.data_ptr(), weight.shape)
 
 
 def _planned(weight: Tensor) -> bool:
