@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 import tritonmm  # noqa: E402,F401
-from tritonmm import gated, runners  # noqa: E402
+from tritonmm import gated, gated_cublas, runners  # noqa: E402
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=40, print_blob=True,
@@ -72,6 +72,7 @@ def nan_poisoned_outputs(monkeypatch):
     """Every output the Triton path allocates starts as NaN: an unwritten tile fails loudly."""
     monkeypatch.setattr(runners, "alloc", _nan_empty)
     monkeypatch.setattr(gated, "_empty", _nan_empty)
+    monkeypatch.setattr(gated_cublas, "_empty", _nan_empty)
     yield
 
 

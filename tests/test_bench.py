@@ -293,10 +293,11 @@ def test_mlp_benchmark_without_a_gpu_and_its_json(tmp_path, capsys):
         assert bench.main(["--mlp"]) == 0
         assert "No CUDA GPU" in capsys.readouterr().err
     row = {"config": "tinyllama", "hidden": 2048, "intermediate": 5632, "tokens": 16, "eager_ms": 0.1,
-           "fused_ms": 0.05, "fused_ratio": 2.0, "kernel_ratio": 1.9, "bound_ratio": 2.1, "compile_ratio": 0.5}
+           "fused_ms": 0.05, "fused_ratio": 2.0, "unpacked_ratio": 1.8, "kernel_ratio": 1.9, "bound_ratio": 2.1,
+           "compile_ratio": 0.5}
     run = tmp_path / "mlp.json"
     run.write_text(json.dumps({"machine": {}, "rows": [row]}))
     assert bench.main(["--from-json", str(run), "--markdown"]) == 0
-    assert "| tinyllama (2048 / 5632) | 16 | 0.100 | 2.00x | 1.90x | 2.10x | 0.50x | - |" in capsys.readouterr().out
+    assert "| tinyllama (2048 / 5632) | 16 | 0.100 | 2.00x | 1.80x | 1.90x | 2.10x | 0.50x | - |" in capsys.readouterr().out
     assert bench.main(["--from-json", str(run)]) == 0
     assert "tinyllama" in capsys.readouterr().out

@@ -149,14 +149,17 @@ def test_more_than_gated_max_m_rows_take_cublas_projections_and_one_product_pass
 
 def test_calls_below_product_min_flops_run_the_torch_expression(monkeypatch):
     """Above GATED_MAX_M rows the product path serves from PRODUCT_MIN_FLOPS per projection, with and without
-    gradients (the no-grad replay too); below it the torch expression, and a fused MLP its own forward."""
+    gradients (the no-grad replay too); below it the torch expression, and a fused MLP its own forward,
+    its weights packed or not."""
     from tritonmm import gated_cublas
 
     products = []
     real = gated_cublas.product
     monkeypatch.setattr(gated_cublas, "product", lambda *a: products.append(1) or real(*a))
     x, wg, wu, _, _ = operands(40, 24, 32)
-    mlp = tritonmm.fuse(MLP(hidden=32, inter=24))
+    mlp = tritonmm.fuse(MLP(hidden=32, inter=24), pack=False)
+    packed = tritonmm.fuse(MLP(hidden=32, inter=24))
+    assert gated_cublas.packed(packed.gate_proj.weight, packed.up_proj.weight) is not None
     for threshold, taken in ((2 * 40 * 24 * 32 + 1, 0), (2 * 40 * 24 * 32, 5)):  # 5 forwards
         monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", threshold)
         tritonmm.clear_cache()
@@ -171,6 +174,11 @@ def test_calls_below_product_min_flops_run_the_torch_expression(monkeypatch):
                 assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
             mlp(x)
         assert len(products) == taken, threshold
+        products.clear()
+        packed(xg)
+        with torch.no_grad():
+            packed(x)
+        assert len(products) == (2 if taken else 0), threshold
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

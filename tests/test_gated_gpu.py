@@ -112,6 +112,38 @@ def test_fused_llama_mlp_eager_compiled_and_graphed(monkeypatch):
             torch.testing.assert_close(out, ref(static.double()).to(BF16), rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("M", [1, 16, 512, 4096, 16384])
+def test_packed_fused_mlp_over_m_with_gradients_and_autocast(M):
+    """fuse packs gate and up: bf16 weights, forward and backward against float64; fp32 weights under bf16
+    autocast against the module under autocast, gradients in fp32."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from tritonmm import gated_cublas
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632)).cuda()
+    for weights in ("bf16", "fp32 autocast"):
+        base = copy.deepcopy(mlp).to(BF16) if weights == "bf16" else copy.deepcopy(mlp)
+        fused = tritonmm.fuse(copy.deepcopy(base))
+        assert gated_cublas.packed(fused.gate_proj.weight, fused.up_proj.weight) is not None
+        ref = copy.deepcopy(base).double() if weights == "bf16" else base
+        x = randn(M, 2048, dtype=BF16, device="cuda")
+        dout = randn(M, 2048, dtype=BF16, device="cuda")
+        xs = [x.clone().requires_grad_(), x.double().requires_grad_() if weights == "bf16" else x.clone().requires_grad_()]
+        with torch.autocast("cuda", dtype=BF16, enabled=weights != "bf16"):
+            outs = [fused(xs[0]), ref(xs[1])]
+        for o in outs:
+            o.backward(dout.to(o.dtype))
+        pairs = [(outs[0].detach(), outs[1].detach()), (xs[0].grad, xs[1].grad),
+                 (fused.gate_proj.weight.grad, ref.gate_proj.weight.grad), (fused.up_proj.weight.grad, ref.up_proj.weight.grad)]
+        for i, (got, want) in enumerate(pairs):
+            assert not got.isnan().any(), (weights, i)
+            assert got.dtype == (BF16 if weights == "bf16" else (BF16 if i < 2 else torch.float32)), (weights, i)
+            rel = (got.double() - want.double()).norm() / want.double().norm()
+            assert rel < 2e-2, (weights, i, rel)
+
+
 @pytest.mark.parametrize("M", [1, 16, 512, 16384])
 def test_fused_sequential_linear_activation_over_m(M, monkeypatch):
     """fuse on Sequential(Linear, GELU, Linear, SiLU): automatic dispatch and the forced Triton kernel (the

@@ -7,9 +7,10 @@
   tritonmm's swapped one), and ``act_fn`` is a known activation (SiLU, GELU, tanh-GELU, ReLU; torch's
   or transformers' modules). At call time the fused forward runs :func:`tritonmm.gated_linear` on the
   gate and up weights where they are, then ``down_proj`` as a module: one Triton GEMM for up to
-  :data:`tritonmm.gated.GATED_MAX_M` rows (decode); above, cuBLAS projections and one Triton pass for
-  the activation and the product (under ``torch.compile``, the expression Inductor fuses itself); calls
-  above 16 rows and below :data:`tritonmm.gated.PRODUCT_MIN_FLOPS` run the recognised forward.
+  :data:`tritonmm.gated.GATED_MAX_M` rows (decode); above, cuBLAS projections (one GEMM where the
+  weights are packed) and one Triton pass for the activation and the product (under ``torch.compile``,
+  the expression Inductor fuses itself); calls above 16 rows and below
+  :data:`tritonmm.gated.PRODUCT_MIN_FLOPS` run the recognised forward.
 * **Linear + activation** in an ``nn.Sequential`` (a Linear as above directly followed by a known
   activation module) run as one :func:`tritonmm.linear` call with the activation in the GEMM's
   epilogue, any number of rows; the Sequential's other modules run as they are. Where every such
@@ -19,7 +20,10 @@
   through ``append``, ``insert`` or ``del`` to a settled Sequential run unfused until one of those.
 
 Like :func:`tritonmm.swap_linear`, ``fuse`` changes the module's class in place to a subclass, so
-parameters, ``state_dict``, hooks, tied weights and ``isinstance`` are untouched. Calls where a forward
+parameters, ``state_dict``, hooks, tied weights and ``isinstance`` are untouched. By default it also
+packs each fused MLP's gate and up weights into one allocation (:mod:`tritonmm.packing`): the same
+parameter objects and values, moved, so that calls on cuBLAS run both projections as one GEMM;
+``unfuse`` leaves them packed. Calls where a forward
 or backward hook is registered on a module the fusion would skip (``gate_proj``, ``up_proj``,
 ``act_fn``; the Linear and its activation) or globally, or an instance's ``forward`` is replaced
 (accelerate's hooks do that), modules that are no longer such Linears or activations (a class whose
@@ -37,6 +41,7 @@ from torch import nn
 from torch.fx import Proxy as _Proxy
 from torch.nn.modules import module as _module
 
+from . import packing
 from .api import linear, torch_planned
 from .gated import gated_linear, torch_serves
 from .modes import PLAIN
@@ -264,7 +269,8 @@ def _fused_class(cls: type) -> type:
     return _fused_classes[cls]
 
 
-def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
+def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
+         pack: bool = True) -> nn.Module:
     """Fuse, in place, every gated MLP of ``model`` (gate and up as one GEMM) and every Linear directly
     followed by a known activation module in an ``nn.Sequential`` (the activation in the GEMM's epilogue).
 
@@ -272,6 +278,11 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
         model: any module tree (the root included).
         filter_fn: ``(module, fully_qualified_name) -> bool``, asked for each MLP or Sequential that
             qualifies (:func:`fusable`); default: all of them.
+        pack: also store each fused MLP's gate and up weights in one allocation, gate first
+            (:mod:`tritonmm.packing`: the same parameters, values and memory), so that calls that take
+            cuBLAS projections (:data:`tritonmm.gated.PRODUCT_MIN_FLOPS`) run both as one GEMM. Weights that
+            cannot move (biases, tensor subclasses, other tensors viewing them) stay where they are. A
+            later ``.to()`` that moves the parameters unpacks them: call ``fuse`` again to pack them.
 
     The Linears stay nn.Linear modules: :func:`tritonmm.swap_linear` may route ``down_proj``
     (and unfused layers) through tritonmm as well. Fused models pickle and deep-copy as fused models.
@@ -282,6 +293,10 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
     for fqn, module in model.named_modules():
         if fusable(module) and (filter_fn is None or filter_fn(module, fqn)):
             module.__class__ = _fused_class(type(module))
+        if pack and type(module).forward is _fused_forward and (filter_fn is None or filter_fn(module, fqn)):
+            gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+            if isinstance(gate, nn.Module) and isinstance(up, nn.Module):
+                packing.pack(gate, up)
     return model
 
 

@@ -5,7 +5,8 @@ This is the first half of a Llama-family MLP (gate and up projections, SiLU, pro
 projections and write only the product, instead of two projections, the activation and the product
 as four tensors. Above, from :data:`PRODUCT_MIN_FLOPS`, cuBLAS runs the two projections and one Triton pass
 (:mod:`tritonmm.gated_cublas`) computes the activation and the product, where eager runs two; smaller
-calls run the torch expression.
+calls run the torch expression. With packed weights (``w_up`` directly after ``w_gate`` in one storage, as
+:func:`tritonmm.fuse` stores them; no biases) that path runs both projections as one GEMM.
 
 Autograd: where a gradient is needed the forward also stores the two projections (rounded to the
 output dtype, as F.linear's outputs are); the backward uses them (no recomputation): one Triton pass
@@ -114,11 +115,12 @@ def _unit_last(t: Tensor) -> Tensor:
 
 
 def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: str, save: bool,
-            kernel: Optional[str] = None, config: Optional[dict] = None):
+            kernel: Optional[str] = None, config: Optional[dict] = None, pack: bool = True):
     """Run a :func:`kernel_shaped` call: (h, g, u), h of shape (*x.shape[:-1], N); g and u (M, N) when
     ``save``, else None. The gated GEMM ``kernel`` ("pointer" or "tma"; default: the one that serves
     this problem) for up to :data:`GATED_MAX_M` rows or where ``kernel`` is given; else cuBLAS
-    projections and the one-pass product."""
+    projections (one GEMM where the weights are packed and ``pack``; g and u are then the halves of its
+    output) and the one-pass product."""
     from .kernels.gated_launchers import gated_launcher
     from .kernels.launch import LAUNCH_FAILURES
 
@@ -126,7 +128,7 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
     lead = x.shape[:-1]
     M = lead.numel()
     if kernel is None and M > GATED_MAX_M:
-        return gated_cublas.forward(x, w_gate, w_up, b_gate, b_up, activation, save)
+        return gated_cublas.forward(x, w_gate, w_up, b_gate, b_up, activation, save, pack)
     x2 = _unit_last(x.reshape(-1, K))
     w_gate, w_up = _unit_last(w_gate), _unit_last(w_up)
     if kernel is None or kernel == "tma" and not _tma_ok(x2, w_gate, w_up):
@@ -198,7 +200,7 @@ def _gated_op(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor],
         h = activations.apply(gate, activation) * up
         M, N = x.shape[:-1].numel(), w_gate.shape[0]
         return (h, gate.reshape(M, N), up.reshape(M, N)) if save else (h, x.new_empty(0), x.new_empty(0))
-    h, g, u = forward(x, w_gate, w_up, b_gate, b_up, activation, save)
+    h, g, u = forward(x, w_gate, w_up, b_gate, b_up, activation, save, pack=not save)  # (outputs alias nothing)
     return (h, g, u) if save else (h, x.new_empty(0), x.new_empty(0))
 
 
@@ -231,7 +233,31 @@ def _autocast(x: Tensor, w_gate, w_up, b_gate, b_up):
     if dtype is None:
         return x, w_gate, w_up, b_gate, b_up
     cast = routes._cast
+    if b_gate is None and w_gate.is_floating_point() and w_gate.dtype not in (dtype, torch.float64) \
+            and gated_cublas.packed(w_gate, w_up) is not None:  # one cast, whose halves stay packed
+        return (cast(x, dtype), *_PackedCast.apply(w_gate, w_up, dtype), None, None)
     return cast(x, dtype), cast(w_gate, dtype), cast(w_up, dtype), cast(b_gate, dtype), cast(b_up, dtype)
+
+
+class _PackedCast(torch.autograd.Function):
+    """Packed weights (:func:`gated_cublas.packed`) cast as one tensor, returned as its two halves (so that
+    they stay packed: one GEMM); the gradients cast back, as autocast's casts are differentiated."""
+
+    @staticmethod
+    def forward(ctx, w_gate, w_up, dtype):
+        ctx.dtypes = (w_gate.dtype, w_up.dtype)
+        w = gated_cublas.packed(w_gate, w_up).to(dtype)
+        N = w_gate.shape[0]
+        return w[:N], w[N:]
+
+    @staticmethod
+    def backward(ctx, d_gate, d_up):
+        dtype = ctx.dtypes[0]
+        if d_gate is not None and d_up is not None and gated_cublas.packed(d_gate, d_up) is not None:
+            d = gated_cublas.packed(d_gate, d_up).to(dtype)  # one cast
+            N = d_gate.shape[0]
+            return d[:N], d[N:], None
+        return (None if d_gate is None else d_gate.to(dtype), None if d_up is None else d_up.to(ctx.dtypes[1]), None)
 
 
 def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
@@ -240,7 +266,9 @@ def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[T
 
     Args:
         input (Tensor): x, (*, K); float16, bfloat16 or float32 for the Triton kernels.
-        w_gate, w_up (Tensor): (N, K) each (nn.Linear weights), read in place.
+        w_gate, w_up (Tensor): (N, K) each (nn.Linear weights), read in place; where ``w_up`` directly
+            follows ``w_gate`` in one storage (``w[:N]`` and ``w[N:]`` of one (2N, K) weight), calls that
+            run the projections on cuBLAS run both as one GEMM.
         b_gate, b_up (Tensor, optional): (N,) each; both or neither.
         activation (str): "silu" (Llama, Mistral, Qwen2), "gelu", "gelu_tanh" (Gemma) or "relu",
             applied to the gate in fp32 before the product and the one rounding.
@@ -273,6 +301,7 @@ _grad_enabled = torch.is_grad_enabled
 _F_linear = F.linear
 _any_autocast = torch._C._is_any_autocast_enabled
 _INTERPRET = raw_name("TRITON_INTERPRET")
+cublas_forward = gated_cublas.forward
 
 
 def _fast_key(x, wg, wu, bg, bu, activation):
@@ -303,7 +332,7 @@ def _fast_eligible(x, wg, wu, bg, bu) -> bool:
     """Whether a call whose key was taken can be replayed by a bound launch: plain tensors the kernel
     serves, unit column strides, no pending negation or zero tensor."""
     tensors = (x, wg, wu, bg, bu)
-    return (kernel_serves(x) and kernel_shaped(*tensors) and not _below_product_flops(x, wg) and modes.plain(*tensors)
+    return (kernel_serves(x) and kernel_shaped(*tensors) and not _below_product_flops(*tensors) and modes.plain(*tensors)
             and modes.eager() and not modes.torch_only(*tensors) and wg.stride(-1) == 1 and wu.stride(-1) == 1)
 
 
@@ -312,10 +341,8 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
     N, K = wg.shape
     lead, M = x.shape[:-1], x.numel() // K if K else 0
     if M > GATED_MAX_M:
-        def run(x, wg, wu, bg, bu):  # cuBLAS projections, one-pass product into the gate's buffer
-            g = _F_linear(x, wg, bg)
-            gated_cublas.product(g, _F_linear(x, wu, bu), g, activation)
-            return g
+        def run(x, wg, wu, bg, bu):  # cuBLAS projections (one GEMM where packed), one-pass product
+            return cublas_forward(x, wg, wu, bg, bu, activation, False)[0]
     else:
         x2 = x.reshape(-1, K)
         view = x2.data_ptr() == x.data_ptr()  # x is read in place: the launcher takes its pointer, strides bound

@@ -2,6 +2,10 @@
 projections, one Triton pass (:mod:`tritonmm.kernels.gated_product`) the activation and the product,
 and in the backward one Triton pass both projections' gradients.
 
+Where the up weight directly follows the gate weight in one allocation (:func:`packed`; what
+:func:`tritonmm.fuse` arranges) both projections run as one cuBLAS GEMM on x @ [Wg; Wu]^T, and in the
+backward the input's gradient and both weights' gradients as one GEMM each.
+
 Eager PyTorch runs the activation and the product as two kernels and their backward as three; these
 passes read each tensor once. Values in fp32, rounded once to the output dtype.
 """
@@ -25,10 +29,36 @@ def serves(t: torch.Tensor) -> bool:
     return t.dtype in KERNEL_DTYPES and (t.device.type == "cuda" or t.device.type == "cpu" and interpreting())
 
 
-def forward(x, w_gate, w_up, b_gate, b_up, activation, save):
-    """cuBLAS for both projections, then one Triton pass for the activation and product (into the gate's
-    buffer where the projections are not kept)."""
+def packed(w_gate: torch.Tensor, w_up: torch.Tensor):
+    """The (2N, K) tensor [w_gate; w_up], a view, where ``w_up`` directly follows ``w_gate`` in one storage
+    (both contiguous, one dtype), else None. Detached: callers return the weights' gradients themselves."""
+    n = w_gate.numel()
+    if not n or not (w_gate.is_contiguous() and w_up.is_contiguous()) or w_gate.dtype != w_up.dtype \
+            or w_gate.shape != w_up.shape or w_gate.dim() != 2:
+        return None
+    size = w_gate.element_size()
+    pg, pu = w_gate.data_ptr(), w_up.data_ptr()
+    if pu != pg + n * size or pg - w_gate.storage_offset() * size != pu - w_up.storage_offset() * size:
+        return None  # not adjacent, or adjacent allocations of two storages
+    N, K = w_gate.shape
+    return w_gate.detach().as_strided((2 * N, K), (K, 1))
+
+
+_empty = torch.empty  # the product's output allocator (tests swap in a NaN-filling one)
+
+
+def forward(x, w_gate, w_up, b_gate, b_up, activation, save, pack=True):
+    """cuBLAS for both projections (one GEMM where the weights are :func:`packed`, ``pack`` allowing, and
+    there are no biases), then one Triton pass for the activation and product (into the gate's buffer
+    where two projections are not kept)."""
     M, N = x.shape[:-1].numel(), w_gate.shape[0]
+    w = packed(w_gate, w_up) if pack and b_gate is None else None
+    if w is not None:
+        gu = torch.mm(x.reshape(M, x.shape[-1]), w.t())
+        g, u = gu[:, :N], gu[:, N:]
+        h = _empty((*x.shape[:-1], N), dtype=gu.dtype, device=gu.device)
+        product(g, u, h.view(M, N), activation)
+        return (h, g, u) if save else (h, None, None)
     g, u = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
     h = torch.empty_like(g) if save else g
     product(g, u, h, activation)
@@ -47,7 +77,8 @@ def _load():
 
 
 def product(g, u, h, activation) -> None:
-    """``h = act(g) * u`` in one pass (contiguous tensors of one size, dtype and device; ``h`` may be ``g``)."""
+    """``h = act(g) * u`` in one pass (tensors of one size, dtype and device: contiguous, ``h`` may be ``g``;
+    or ``g`` and ``u`` the halves of one (M, 2N) tensor and ``h`` contiguous)."""
     if not g.numel():
         return
     kernels = _kernels or _load()
@@ -59,21 +90,33 @@ def product(g, u, h, activation) -> None:
         h.copy_(activations.apply(g.float(), activation) * u.float())
 
 
+def halves(g, u) -> bool:
+    """Whether ``g`` and ``u`` (M, N) are the two halves of one (M, 2N) row-major tensor."""
+    if g.dim() != 2 or g.stride(1) != 1 or u.stride(1) != 1:
+        return False
+    N = g.shape[1]
+    return g.stride(0) == u.stride(0) == 2 * N and u.data_ptr() == g.data_ptr() + N * g.element_size()
+
+
 def grads(dh, g, u, activation, needs):
-    """(d_gate, d_up) from the upstream gradient ``dh`` and the saved projections: one Triton pass where the
-    kernels serve the tensors, else torch's formulas."""
-    if serves(g) and g.numel() and g.is_contiguous() and u.is_contiguous() and dh.dtype == g.dtype == u.dtype \
+    """(d_gate, d_up, both) from the upstream gradient ``dh`` and the saved projections: one Triton pass where
+    the kernels serve the tensors, else torch's formulas. Where ``g`` and ``u`` are the :func:`halves` of one
+    tensor, so are the gradients, of ``both`` (M, 2N); else ``both`` is None."""
+    pair = g.is_contiguous() and u.is_contiguous() or halves(g, u)
+    if serves(g) and g.numel() and pair and dh.dtype == g.dtype == u.dtype \
             and dh.device == g.device and modes.plain(dh, g, u) and not modes.torch_only(dh) and modes.eager():
         dh = dh.contiguous()
-        d_gate, d_up = torch.empty_like(g), torch.empty_like(u)
+        M, N = g.shape
+        both = torch.empty((M, 2 * N), dtype=g.dtype, device=g.device) if halves(g, u) else None
+        d_gate, d_up = (both[:, :N], both[:, N:]) if both is not None else (torch.empty_like(g), torch.empty_like(u))
         (_kernels or _load()).gated_product_backward(dh, g, u, d_gate, d_up, activation)
-        return d_gate, d_up
+        return d_gate, d_up, both
     with torch.enable_grad():
         g_ = g.detach().requires_grad_()
         act = activations.apply(g_, activation)
     d_gate = torch.autograd.grad(act, g_, dh * u)[0] if any(needs[i] for i in (0, 1, 3)) else None
     d_up = dh * act.detach() if any(needs[i] for i in (0, 2, 4)) else None
-    return d_gate, d_up
+    return d_gate, d_up, None
 
 
 def clear_cache() -> None:

@@ -2,7 +2,8 @@
 
 The forward saves what torch saves for its expression, plus the two projections; the backward computes
 both projections' gradients in one pass (:func:`tritonmm.gated_cublas.grads`) and runs its GEMMs on
-cuBLAS. A backward with ``create_graph=True`` recomputes the torch expression and differentiates it.
+cuBLAS (where the forward ran packed weights as one GEMM, both weights' gradients as one GEMM too: they are
+then the two halves of one tensor). A backward with ``create_graph=True`` recomputes the torch expression and differentiates it.
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ def backward(grad_h: Tensor, x_shape, x, w_gate, w_up, g: Tensor, u: Tensor, act
     None where ``needs`` (five bools) says none is wanted. ``x`` is needed only for the weights'
     gradients, the weights only for the input's (None otherwise), as torch saves them."""
     N, K = g.shape[-1], x_shape[-1]
-    d_gate, d_up = gated_cublas.grads(grad_h.reshape(-1, N), g, u, activation, needs)
+    d_gate, d_up, both = gated_cublas.grads(grad_h.reshape(-1, N), g, u, activation, needs)
     dx = dwg = dwu = dbg = dbu = None
-    if needs[0]:
+    if needs[0]:  # (as one GEMM on [Wg; Wu] its K is 2N, and it ran slower on the H200 than these two)
         dx = (d_gate @ w_gate).addmm_(d_up, w_up).view(x_shape)  # in place: addmm would copy its first operand
     if needs[1] or needs[2]:
         x2 = x.reshape(-1, K)
-        dwg = d_gate.t() @ x2 if needs[1] else None
-        dwu = d_up.t() @ x2 if needs[2] else None
+        if both is not None and needs[1] and needs[2]:  # [d_gate, d_up]^T @ x: one GEMM, the gradients its halves
+            dw = both.t() @ x2
+            dwg, dwu = dw[:N], dw[N:]
+        else:
+            dwg = d_gate.t() @ x2 if needs[1] else None
+            dwu = d_up.t() @ x2 if needs[2] else None
     if needs[3]:
         dbg = d_gate.sum(0)
     if needs[4]:

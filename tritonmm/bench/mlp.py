@@ -5,13 +5,17 @@ between ``torch.cuda.synchronize()`` calls, as in :mod:`tritonmm.bench.model`):
 
 * ``eager``: the module as transformers runs it (gate, up, SiLU, product, down: five kernels);
 * ``fused``: the same module after :func:`tritonmm.fuse` (the gated GEMM kernel, then down, up to
-  ``gated.GATED_MAX_M`` rows; cuBLAS projections, one Triton pass for SiLU and the product, then down, above);
+  ``gated.GATED_MAX_M`` rows; above, one cuBLAS GEMM on the packed gate and up weights, one Triton pass for
+  SiLU and the product, then down);
+* ``unpacked``: ``fuse(..., pack=False)``: above 16 rows, two cuBLAS projections where
+  ``gated.PRODUCT_MIN_FLOPS`` allows, else the module's own forward;
 * ``kernel``: the gated GEMM kernel at any M, then the down GEMM (what ``fused`` would be without that limit);
 * ``bound``: cuBLAS on x @ [Wg; Wu]^T and the down GEMM, no elementwise pass: what a perfect fused
   kernel at cuBLAS speed would take;
 * ``compile``: ``torch.compile`` of the module (SiLU and the product fused by Inductor, GEMMs on cuBLAS).
 
-Forward under ``no_grad``; forward + backward (eager and fused, a fixed upstream gradient) for M >= 512.
+Forward under ``no_grad``; forward + backward (eager, fused and unpacked, a fixed upstream gradient) for
+M >= 512.
 Ratios are eager time / contender time (> 1: faster than eager); ``fused_vs_compile`` is compile / fused.
 """
 
@@ -25,7 +29,8 @@ import torch
 
 from .model import alternate
 
-CONFIGS = {"llama3-8b": (4096, 14336), "tinyllama": (2048, 5632)}
+CONFIGS = {"llama3-8b": (4096, 14336), "tinyllama": (2048, 5632), "small": (1024, 2816)}
+"""hidden / intermediate: Llama-3-8B's and TinyLlama's MLPs, and that of the model benchmark's small config."""
 TOKENS = (1, 16, 512, 4096, 16384)
 TRAIN_MIN_M = 512
 
@@ -59,6 +64,7 @@ def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> 
         hidden, inter = CONFIGS[name]
         mlp = _mlp(hidden, inter, device, dtype)
         fused = tritonmm.fuse(copy.deepcopy(mlp))
+        unpacked = tritonmm.fuse(copy.deepcopy(mlp), pack=False)
         compiled = torch.compile(copy.deepcopy(mlp), dynamic=True) if device.type == "cuda" else None
         w_cat = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
         w_down = mlp.down_proj.weight.detach()
@@ -74,7 +80,8 @@ def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> 
         for M in tokens or TOKENS:
             progress(f"mlp {name}: M = {M}")
             x = torch.randn(M, hidden, device=device, dtype=dtype)
-            runs = {"eager": (none, lambda: mlp(x)), "fused": (none, lambda: fused(x)), "bound": (none, lambda: bound(x)),
+            runs = {"eager": (none, lambda: mlp(x)), "fused": (none, lambda: fused(x)),
+                    "unpacked": (none, lambda: unpacked(x)), "bound": (none, lambda: bound(x)),
                     "kernel": (none, lambda: kernel(x))}
             if compiled is not None:
                 runs["compile"] = (none, lambda: compiled(x))
@@ -87,14 +94,15 @@ def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> 
                 xg = x.clone().requires_grad_()
                 grad = torch.randn(M, hidden, device=device, dtype=dtype)
                 train = {"train_eager": (none, lambda: mlp(xg).backward(grad)),
-                         "train_fused": (none, lambda: fused(xg).backward(grad))}
+                         "train_fused": (none, lambda: fused(xg).backward(grad)),
+                         "train_unpacked": (none, lambda: unpacked(xg).backward(grad))}
                 row.update(_ratios(alternate(train, device, rounds, iters=1, warmup=2), "train_eager"))
                 del xg, grad
-                for m in (mlp, fused):
+                for m in (mlp, fused, unpacked):
                     m.zero_grad(set_to_none=True)
             rows.append(row)
             del x
-        del mlp, fused, compiled, w_cat
+        del mlp, fused, unpacked, compiled, w_cat
         torch._dynamo.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -102,22 +110,23 @@ def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> 
 
 
 def print_report(rows: list[dict]) -> None:
-    print(f"{'config':10} {'M':>6} {'eager ms':>9} {'fused':>7} {'kernel':>7} {'bound':>7} {'compile':>8} {'f/comp':>7} "
-          f"{'train':>7}   (eager time / contender time)")
+    print(f"{'config':10} {'M':>6} {'eager ms':>9} {'fused':>7} {'unpack':>7} {'kernel':>7} {'bound':>7} {'compile':>8} "
+          f"{'f/comp':>7} {'train':>7} {'t-unp':>7}   (eager time / contender time)")
     for r in rows:
         get = lambda k: f"{r[k]:.3f}" if k in r else "-"  # noqa: E731
-        print(f"{r['config']:10} {r['tokens']:>6} {r['eager_ms']:>9.3f} {get('fused_ratio'):>7} {get('kernel_ratio'):>7} "
-              f"{get('bound_ratio'):>7} "
-              f"{get('compile_ratio'):>8} {get('fused_vs_compile_ratio'):>7} {get('train_fused_ratio'):>7}")
+        print(f"{r['config']:10} {r['tokens']:>6} {r['eager_ms']:>9.3f} {get('fused_ratio'):>7} {get('unpacked_ratio'):>7} "
+              f"{get('kernel_ratio'):>7} {get('bound_ratio'):>7} {get('compile_ratio'):>8} "
+              f"{get('fused_vs_compile_ratio'):>7} {get('train_fused_ratio'):>7} {get('train_unpacked_ratio'):>7}")
 
 
 def markdown(rows: list[dict]) -> str:
     """The README's MLP table."""
-    lines = ["| MLP (hidden / intermediate) | tokens | eager ms | fused | gated kernel, any M | cuBLAS bound | "
-             "torch.compile | fused fwd+bwd |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| MLP (hidden / intermediate) | tokens | eager ms | fused | fused, unpacked | gated kernel, any M | "
+             "cuBLAS bound | torch.compile | fused fwd+bwd |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         get = lambda k: f"{r[k]:.2f}x" if k in r else "-"  # noqa: E731
         lines.append(f"| {r['config']} ({r['hidden']} / {r['intermediate']}) | {r['tokens']} | {r['eager_ms']:.3f} | "
-                     f"{get('fused_ratio')} | {get('kernel_ratio')} | {get('bound_ratio')} | {get('compile_ratio')} | "
+                     f"{get('fused_ratio')} | {get('unpacked_ratio')} | {get('kernel_ratio')} | {get('bound_ratio')} | "
+                     f"{get('compile_ratio')} | "
                      f"{get('train_fused_ratio')} |")
     return "\n".join(lines)

@@ -7,8 +7,10 @@ reads the upstream gradient, g and u once and writes both gradients, where eager
 kernels. Values are computed in fp32; act(g) and the product's gradient are rounded to the output dtype
 where eager rounds them, so infinities and NaNs come out as eager's.
 
-Launchers are bound per (size, dtype, device, activation, alignment) and launch the compiled kernel
-directly after the first call (:class:`.launch.DirectLaunch`).
+The operands are contiguous, or the rows of 2-D tensors with unit column strides (g and u may be the two
+halves of one (M, 2N) GEMM output). Launchers are bound per (rows, size, row strides, dtype, device,
+activation, alignment) and launch the compiled kernel directly after the first call
+(:class:`.launch.DirectLaunch`).
 """
 
 from __future__ import annotations
@@ -46,59 +48,81 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _gated_product_kernel(g_ptr, u_ptr, h_ptr, n, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask).to(tl.float32)
-    dtype = h_ptr.dtype.element_ty
-    a = _to_output(_activation(g, ACTIVATION), dtype, UPCAST).to(tl.float32)  # rounded as eager rounds act(g)
-    tl.store(h_ptr + offs, _to_output(a * u, dtype, UPCAST), mask=mask)
+def _rows_cols(N, BLOCK: tl.constexpr):
+    """This program's row and its block of columns (a row of N elements is split into cdiv(N, BLOCK) blocks)."""
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(N, BLOCK)
+    row = (pid // col_blocks).to(tl.int64)
+    cols = (pid % col_blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    return row, cols, cols < N
 
 
 @triton.jit
-def _gated_product_backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, ACTIVATION: tl.constexpr,
-                                   UPCAST: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    dh = tl.load(dh_ptr + offs, mask=mask).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask).to(tl.float32)
+def _gated_product_kernel(g_ptr, u_ptr, h_ptr, N, stride_in, stride_out, ACTIVATION: tl.constexpr,
+                          UPCAST: tl.constexpr, BLOCK: tl.constexpr):
+    row, cols, mask = _rows_cols(N, BLOCK)
+    g = tl.load(g_ptr + row * stride_in + cols, mask=mask).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_in + cols, mask=mask).to(tl.float32)
+    dtype = h_ptr.dtype.element_ty
+    a = _to_output(_activation(g, ACTIVATION), dtype, UPCAST).to(tl.float32)  # rounded as eager rounds act(g)
+    tl.store(h_ptr + row * stride_out + cols, _to_output(a * u, dtype, UPCAST), mask=mask)
+
+
+@triton.jit
+def _gated_product_backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, N, stride_dh, stride_in, stride_out,
+                                   ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, BLOCK: tl.constexpr):
+    row, cols, mask = _rows_cols(N, BLOCK)
+    dh = tl.load(dh_ptr + row * stride_dh + cols, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_in + cols, mask=mask).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_in + cols, mask=mask).to(tl.float32)
     dtype = dg_ptr.dtype.element_ty
     a = _to_output(_activation(g, ACTIVATION), dtype, UPCAST).to(tl.float32)
-    tl.store(du_ptr + offs, _to_output(dh * a, dtype, UPCAST), mask=mask)
+    out = row * stride_out + cols
+    tl.store(du_ptr + out, _to_output(dh * a, dtype, UPCAST), mask=mask)
     d_act = _to_output(dh * u, dtype, UPCAST).to(tl.float32)  # the product's gradient, rounded as eager's
     if ACTIVATION == "relu":  # as torch's threshold_backward: a select, so NaN gates pass and others give 0
         dg = tl.where(g <= 0.0, 0.0, d_act)
     else:
         dg = d_act * _activation_grad(g, ACTIVATION)
-    tl.store(dg_ptr + offs, _to_output(dg, dtype, UPCAST), mask=mask)
+    tl.store(dg_ptr + out, _to_output(dg, dtype, UPCAST), mask=mask)
 
 
-def _launcher(fn, tensors, activation: str) -> DirectLaunch:
+def _geometry(tensors, strided) -> tuple:
+    """(rows, N, the row strides of ``strided``): one row of all elements where every tensor is contiguous,
+    else the rows of 2-D tensors with unit column strides."""
+    if all(t.is_contiguous() for t in tensors):
+        return (1, tensors[0].numel()) + (0,) * len(strided)
+    return (*tensors[0].shape, *(t.stride(0) for t in strided))
+
+
+def _launcher(fn, tensors, geometry, activation: str) -> DirectLaunch:
     t = tensors[0]
-    n = t.numel()
-    key = (fn, n, t.dtype, t.device, activation, tuple(x.data_ptr() % 16 == 0 for x in tensors))
+    key = (fn, geometry, t.dtype, t.device, activation, tuple(x.data_ptr() % 16 == 0 for x in tensors))
     launch = _launchers.get(key)
     if launch is None:
         if len(_launchers) >= _LAUNCHERS_MAX:
             _launchers.clear()
         upcast = interpreting() and t.dtype == torch.bfloat16
-        launch = _launchers[key] = DirectLaunch(fn, (triton.cdiv(n, BLOCK),), dict(
+        rows, N = geometry[:2]
+        launch = _launchers[key] = DirectLaunch(fn, (rows * triton.cdiv(N, BLOCK),), dict(
             ACTIVATION=activation, UPCAST=upcast, BLOCK=BLOCK, num_warps=NUM_WARPS))
     return launch
 
 
 def gated_product(g: torch.Tensor, u: torch.Tensor, h: torch.Tensor, activation: str) -> None:
-    """``h = act(g) * u`` for contiguous tensors of one size, dtype and device (``h`` may be ``g``)."""
-    _launcher(_gated_product_kernel, (g, u, h), activation)((g, u, h, g.numel()))
+    """``h = act(g) * u`` for tensors of one size, dtype and device: all contiguous (``h`` may be ``g``), or
+    2-D with unit column strides, ``g`` and ``u`` at one row stride (the halves of one (M, 2N) GEMM output)."""
+    geometry = _geometry((g, u, h), (g, h))
+    _launcher(_gated_product_kernel, (g, u, h), geometry, activation)((g, u, h, *geometry[1:]))
 
 
 def gated_product_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,
                            activation: str) -> None:
-    """``dg = dh * u * act'(g)`` and ``du = dh * act(g)`` for contiguous tensors of one size, dtype and device."""
-    _launcher(_gated_product_backward_kernel, (dh, g, u, dg, du), activation)((dh, g, u, dg, du, g.numel()))
+    """``dg = dh * u * act'(g)`` and ``du = dh * act(g)`` for tensors of one size, dtype and device: all
+    contiguous, or 2-D with unit column strides, ``g`` and ``u`` at one row stride, ``dg`` and ``du`` at one."""
+    geometry = _geometry((dh, g, u, dg, du), (dh, g, dg))
+    _launcher(_gated_product_backward_kernel, (dh, g, u, dg, du), geometry, activation)(
+        (dh, g, u, dg, du, *geometry[1:]))
 
 
 def clear_cache() -> None:
