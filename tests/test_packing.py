@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from torch import nn
 
 import tritonmm
 from tritonmm import gated, gated_cublas, packing
@@ -47,8 +48,10 @@ def test_fuse_packs_the_same_parameters_with_the_same_values():
     assert dict(mlp.named_parameters()) == params and {n: p.requires_grad for n, p in params.items()} == flags
     assert all(torch.equal(mlp.state_dict()[k], v) for k, v in sd.items())
     assert all(mlp.state_dict()[k].shape == v.shape for k, v in sd.items())
-    tritonmm.unfuse(mlp)
+    tritonmm.unfuse(mlp)  # gives each weight its own storage again
     assert type(mlp) is MLP and all(torch.equal(mlp.state_dict()[k], v) for k, v in sd.items())
+    assert not is_packed(mlp) and dict(mlp.named_parameters()) == params
+    assert mlp.gate_proj.weight.untyped_storage().nbytes() == mlp.gate_proj.weight.numel() * 4
     other = tritonmm.fuse(MLP(hidden=32, inter=24), pack=False)
     assert not is_packed(other)
     skipped = tritonmm.fuse(MLP(hidden=32, inter=24), filter_fn=lambda m, name: False)
@@ -231,3 +234,44 @@ def test_product_kernels_on_the_halves_of_one_tensor_match_the_contiguous_ones(d
     gated_product.gated_product_backward(dh, gc, uc, want_dg, want_du, "silu")
     assert not (want_h.isnan().any() or want_dg.isnan().any() or want_du.isnan().any())
     assert torch.equal(h, want_h) and torch.equal(both[:, :N], want_dg) and torch.equal(both[:, N:], want_du)
+
+
+def test_autocast_keeps_the_up_bias_of_packed_weights():
+    """Packed weights with only an up bias: the bias is applied under autocast (the one-cast path needs both
+    biases absent)."""
+    w, b_up, x = randn(48, 32) / 32**0.5, randn(24), randn(40, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = tritonmm.gated_linear(x, w[:24], w[24:], None, b_up)
+        want = gated.reference(x, w[:24], w[24:], None, b_up)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_fuse_under_inference_mode_leaves_trainable_parameters():
+    mlp = MLP(hidden=32, inter=24)
+    with torch.inference_mode():
+        tritonmm.fuse(mlp)
+    assert is_packed(mlp) and not mlp.gate_proj.weight.is_inference() and not mlp.up_proj.weight.is_inference()
+    x = randn(40, 32).requires_grad_()
+    mlp(x).sum().backward()
+    assert mlp.gate_proj.weight.grad is not None and x.grad is not None
+
+
+def test_shared_memory_weights_and_user_packed_weights_are_left_as_they_are():
+    shared = MLP(hidden=32, inter=24).share_memory()
+    tritonmm.fuse(shared)
+    assert not is_packed(shared) and shared.gate_proj.weight.is_shared() and shared.up_proj.weight.is_shared()
+    merged = MLP(hidden=32, inter=24)
+    both = torch.cat([merged.gate_proj.weight.detach(), merged.up_proj.weight.detach()])
+    merged.gate_proj.weight.data, merged.up_proj.weight.data = both[:24], both[24:]  # packed by the user
+    tritonmm.unfuse(tritonmm.fuse(merged))
+    assert is_packed(merged), "unfuse unpacks only what fuse packed"
+
+
+def test_filter_is_asked_once_per_module():
+    model = nn.Sequential(MLP(hidden=32, inter=24), MLP(hidden=32, inter=24))
+    asked = []
+    tritonmm.fuse(model, filter_fn=lambda m, name: asked.append(name) or name == "0")
+    assert asked == ["0", "1"] and is_packed(model[0]) and not is_packed(model[1])
+    asked.clear()
+    tritonmm.fuse(model, filter_fn=lambda m, name: asked.append(name) or True)  # 0 fused already, 1 newly
+    assert asked == ["0", "1"] and is_packed(model[1])

@@ -276,13 +276,16 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
 
     Args:
         model: any module tree (the root included).
-        filter_fn: ``(module, fully_qualified_name) -> bool``, asked for each MLP or Sequential that
-            qualifies (:func:`fusable`); default: all of them.
+        filter_fn: ``(module, fully_qualified_name) -> bool``, asked once for each MLP or Sequential that
+            qualifies (:func:`fusable`) and, with ``pack``, each MLP fused already; default: all of them.
         pack: also store each fused MLP's gate and up weights in one allocation, gate first
             (:mod:`tritonmm.packing`: the same parameters, values and memory), so that calls that take
             cuBLAS projections (:data:`tritonmm.gated.PRODUCT_MIN_FLOPS`) run both as one GEMM. Weights that
-            cannot move (biases, tensor subclasses, other tensors viewing them) stay where they are. A
-            later ``.to()`` that moves the parameters unpacks them: call ``fuse`` again to pack them.
+            cannot move (biases, tensor subclasses, inference tensors, other tensors viewing them, CPU
+            weights outside Triton's interpreter) stay where they are. A later ``.to()`` that moves the parameters unpacks them: call
+            ``fuse`` again to pack them. Packed weights share one storage, as do their gradients:
+            safetensors' ``save_model`` / ``load_model`` refuse that, and plain ``pickle`` (not
+            ``torch.save``) writes the whole storage for each; :func:`unfuse` first, or ``pack=False``.
 
     The Linears stay nn.Linear modules: :func:`tritonmm.swap_linear` may route ``down_proj``
     (and unfused layers) through tritonmm as well. Fused models pickle and deep-copy as fused models.
@@ -291,17 +294,21 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
         The same ``model`` object.
     """
     for fqn, module in model.named_modules():
-        if fusable(module) and (filter_fn is None or filter_fn(module, fqn)):
-            module.__class__ = _fused_class(type(module))
-        if pack and type(module).forward is _fused_forward and (filter_fn is None or filter_fn(module, fqn)):
-            gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
-            if isinstance(gate, nn.Module) and isinstance(up, nn.Module):
-                packing.pack(gate, up)
+        new = fusable(module)
+        again = pack and type(module).forward is _fused_forward  # a fused MLP: packed here if it is not
+        if (new or again) and (filter_fn is None or filter_fn(module, fqn)):
+            if new:
+                module.__class__ = _fused_class(type(module))
+            if pack and type(module).forward is _fused_forward:
+                gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+                if isinstance(gate, nn.Module) and isinstance(up, nn.Module):
+                    packing.pack(gate, up)
     return model
 
 
 def unfuse(model: nn.Module) -> nn.Module:
-    """Undo :func:`fuse`: every fused module gets its original class back, in place.
+    """Undo :func:`fuse`: every fused module gets its original class back, in place, and gate and up
+    weights that ``fuse`` packed get their own storage again.
 
     Returns:
         The same ``model`` object.
@@ -309,5 +316,9 @@ def unfuse(model: nn.Module) -> nn.Module:
     for module in model.modules():
         base = type(module).__dict__.get("_tritonmm_fused_base")
         if base is not None:
+            if type(module).forward is _fused_forward:
+                gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+                if isinstance(gate, nn.Module) and isinstance(up, nn.Module):
+                    packing.unpack(gate, up)
             module.__class__ = base
     return model

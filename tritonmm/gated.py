@@ -233,7 +233,7 @@ def _autocast(x: Tensor, w_gate, w_up, b_gate, b_up):
     if dtype is None:
         return x, w_gate, w_up, b_gate, b_up
     cast = routes._cast
-    if b_gate is None and w_gate.is_floating_point() and w_gate.dtype not in (dtype, torch.float64) \
+    if b_gate is None and b_up is None and w_gate.is_floating_point() and w_gate.dtype not in (dtype, torch.float64) \
             and gated_cublas.packed(w_gate, w_up) is not None:  # one cast, whose halves stay packed
         return (cast(x, dtype), *_PackedCast.apply(w_gate, w_up, dtype), None, None)
     return cast(x, dtype), cast(w_gate, dtype), cast(w_up, dtype), cast(b_gate, dtype), cast(b_up, dtype)

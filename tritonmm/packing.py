@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-from .gated_cublas import packed
+from .gated_cublas import packed, serves
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+_moved = WeakIdKeyDictionary()  # gate weights :func:`pack` moved (:func:`unpack` undoes those), by identity
 
 
 def _sole_owner(p: torch.Tensor) -> bool:
@@ -29,10 +31,15 @@ def _sole_owner(p: torch.Tensor) -> bool:
 
 def packable(gate: nn.Module, up: nn.Module) -> bool:
     """Whether :func:`pack` can store ``gate``'s and ``up``'s weights in one allocation: plain contiguous
-    parameters of one shape, dtype and device, each alone on its storage, no biases, not yet packed."""
+    parameters of one shape, dtype and device that the gated kernels serve (CUDA), each alone on its
+    storage (not in shared or pinned memory, no inference tensors), no biases, not yet packed."""
     wg, wu = gate._parameters.get("weight"), up._parameters.get("weight")
-    if type(wg) is not nn.Parameter or type(wu) is not nn.Parameter or wg is wu:
+    if type(wg) is not nn.Parameter or type(wu) is not nn.Parameter or wg is wu or not serves(wg):
         return False
+    if wg.is_inference() or wu.is_inference():
+        return False
+    if wg.device.type == "cpu" and any(w.is_shared() or w.is_pinned() for w in (wg, wu)):
+        return False  # (shared with other processes, or pinned for copies: a new allocation would be neither)
     if gate._parameters.get("bias") is not None or up._parameters.get("bias") is not None:
         return False  # (the packed GEMM takes no biases)
     if wg.shape != wu.shape or wg.dim() != 2 or wg.dtype != wu.dtype or wg.device != wu.device \
@@ -50,9 +57,22 @@ def pack(gate: nn.Module, up: nn.Module) -> bool:
     if not packable(gate, up):
         return False
     N = wg.shape[0]
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # (under inference mode too: parameters stay normal tensors)
         both = torch.empty((2 * N, wg.shape[1]), dtype=wg.dtype, device=wg.device)
         both[:N].copy_(wg)
         both[N:].copy_(wu)
-    wg.data, wu.data = both[:N], both[N:]
+        wg.data, wu.data = both[:N], both[N:]
+    _moved[wg] = True
+    return True
+
+
+def unpack(gate: nn.Module, up: nn.Module) -> bool:
+    """Give weights that :func:`pack` moved their own storage again (copies of their current values);
+    returns whether it did."""
+    wg, wu = gate._parameters.get("weight"), up._parameters.get("weight")
+    if wg is None or wu is None or wg not in _moved or packed(wg, wu) is None:
+        return False
+    with torch.inference_mode(False), torch.no_grad():
+        wg.data, wu.data = wg.data.clone(), wu.data.clone()
+    _moved.pop(wg, None)
     return True
