@@ -48,7 +48,9 @@ TinyLlama MLP (2048 / 5632) forward + backward at 512 rows (1.2e10 FLOP per proj
 eager, and in the small model of ``benchmarks/h200_model.json`` (1024 / 2816) eager prefill of 512 and 4096
 tokens (3e9 and 2.4e10 FLOP) with ``fuse`` at 0.95-0.96x; from 6e10 FLOP (Llama-3-8B's MLP at 512 rows,
 TinyLlama's at 4096) the GPU sets the pace and the forward ran at 1.01-1.06x, forward + backward at
-0.99-1.07x over the runs (``benchmarks/h200_mlp.json``)."""
+0.99-1.07x over the runs (``benchmarks/h200_mlp.json``). Packed weights (one GEMM for both projections) obey
+it too: taking the path at any size, they ran the forward at 512 tokens at 0.73-0.74x and forward + backward
+of the small MLP at 4096 tokens (2.4e10 FLOP) at 0.56x (``packed_at_any_size_run`` there)."""
 TMA_MIN_M = 64
 """Rows above which the persistent TMA kernel serves (on sm_90+, aligned operands; reached by
 :func:`forward` callers that pass larger M); the pointer kernel's small-M tiles serve the rest."""
