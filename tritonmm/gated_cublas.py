@@ -4,7 +4,7 @@ and in the backward one Triton pass both projections' gradients.
 
 Where the up weight directly follows the gate weight in one allocation (:func:`packed`; what
 :func:`tritonmm.fuse` arranges) both projections run as one cuBLAS GEMM on x @ [Wg; Wu]^T, and in the
-backward the input's gradient and both weights' gradients as one GEMM each.
+backward both weights' gradients as one GEMM.
 
 Eager PyTorch runs the activation and the product as two kernels and their backward as three; these
 passes read each tensor once. Values in fp32, rounded once to the output dtype.
