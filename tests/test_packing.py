@@ -178,6 +178,9 @@ def test_copies_and_saves_keep_values():
     loaded = torch.load(buf, weights_only=False)  # storages are saved once: still packed
     assert is_packed(loaded)
     torch.testing.assert_close(loaded(x), out)
+    tritonmm.unfuse(loaded)  # (not packed by this process's fuse: unpacked all the same)
+    assert not is_packed(loaded) and type(loaded) is MLP
+    torch.testing.assert_close(loaded(x), out)
     packing.pack(mlp.gate_proj, mlp.up_proj)  # packed already: nothing moves
     torch.testing.assert_close(mlp(x), out)
 
@@ -261,10 +264,10 @@ def test_shared_memory_weights_and_user_packed_weights_are_left_as_they_are():
     tritonmm.fuse(shared)
     assert not is_packed(shared) and shared.gate_proj.weight.is_shared() and shared.up_proj.weight.is_shared()
     merged = MLP(hidden=32, inter=24)
-    both = torch.cat([merged.gate_proj.weight.detach(), merged.up_proj.weight.detach()])
-    merged.gate_proj.weight.data, merged.up_proj.weight.data = both[:24], both[24:]  # packed by the user
+    rows = torch.cat([merged.gate_proj.weight.detach(), merged.up_proj.weight.detach(), randn(8, 32)])
+    merged.gate_proj.weight.data, merged.up_proj.weight.data = rows[:24], rows[24:48]  # packed by the user
     tritonmm.unfuse(tritonmm.fuse(merged))
-    assert is_packed(merged), "unfuse unpacks only what fuse packed"
+    assert is_packed(merged), "unfuse leaves a storage that holds more than the two weights"
 
 
 def test_filter_is_asked_once_per_module():

@@ -23,7 +23,7 @@ Like :func:`tritonmm.swap_linear`, ``fuse`` changes the module's class in place 
 parameters, ``state_dict``, hooks, tied weights and ``isinstance`` are untouched. By default it also
 packs each fused MLP's gate and up weights into one allocation (:mod:`tritonmm.packing`): the same
 parameter objects and values, moved, so that calls on cuBLAS run both projections as one GEMM;
-``unfuse`` leaves them packed. Calls where a forward
+``unfuse`` gives them their own storage again. Calls where a forward
 or backward hook is registered on a module the fusion would skip (``gate_proj``, ``up_proj``,
 ``act_fn``; the Linear and its activation) or globally, or an instance's ``forward`` is replaced
 (accelerate's hooks do that), modules that are no longer such Linears or activations (a class whose

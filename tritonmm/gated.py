@@ -38,7 +38,7 @@ GATED_MAX_M = 16
 """Rows (M) up to which the gated GEMM kernel serves a call: decode-sized GEMMs, memory- and launch-bound,
 where one kernel instead of four saves launches and a pass over the projections. Above it cuBLAS runs
 the projections and one Triton pass the activation and product: on the H200 the gated GEMM kernels ran
-at 0.77-0.91x of eager from M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``,
+at 0.75-0.91x of eager from M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``,
 ``kernel_ratio``)."""
 PRODUCT_MIN_FLOPS = 2**35
 """FLOP per projection (2·M·N·K, 3.4e10 here) from which calls of more than :data:`GATED_MAX_M` rows take
@@ -264,14 +264,17 @@ class _PackedCast(torch.autograd.Function):
 
 def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
                  b_up: Optional[Tensor] = None, activation: str = "silu") -> Tensor:
-    """``act(F.linear(input, w_gate, b_gate)) * F.linear(input, w_up, b_up)``, one Triton GEMM for both.
+    """``act(F.linear(input, w_gate, b_gate)) * F.linear(input, w_up, b_up)`` in fewer kernels: one Triton GEMM
+    for both projections up to 16 rows; above, cuBLAS projections and one Triton pass for the activation and
+    product from :data:`PRODUCT_MIN_FLOPS` per projection, the torch expression below.
 
     Args:
         input (Tensor): x, (*, K); float16, bfloat16 or float32 for the Triton kernels.
         w_gate, w_up (Tensor): (N, K) each (nn.Linear weights), read in place; where ``w_up`` directly
             follows ``w_gate`` in one storage (``w[:N]`` and ``w[N:]`` of one (2N, K) weight), calls that
             run the projections on cuBLAS run both as one GEMM.
-        b_gate, b_up (Tensor, optional): (N,) each; both or neither.
+        b_gate, b_up (Tensor, optional): (N,) each; both or neither for the kernels (one alone, or
+            other shapes F.linear takes, run the torch expression).
         activation (str): "silu" (Llama, Mistral, Qwen2), "gelu", "gelu_tanh" (Gemma) or "relu",
             applied to the gate in fp32 before the product and the one rounding.
 

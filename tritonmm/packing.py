@@ -67,10 +67,14 @@ def pack(gate: nn.Module, up: nn.Module) -> bool:
 
 
 def unpack(gate: nn.Module, up: nn.Module) -> bool:
-    """Give weights that :func:`pack` moved their own storage again (copies of their current values);
-    returns whether it did."""
+    """Give packed weights their own storage again (copies of their current values): those :func:`pack`
+    moved, and pairs whose storage holds exactly the two (as a packed model's does after ``torch.save`` and
+    ``torch.load``); returns whether it did."""
     wg, wu = gate._parameters.get("weight"), up._parameters.get("weight")
-    if wg is None or wu is None or wg not in _moved or packed(wg, wu) is None:
+    if wg is None or wu is None or packed(wg, wu) is None:
+        return False
+    exact = wg.storage_offset() == 0 and wg.untyped_storage().nbytes() == 2 * wg.numel() * wg.element_size()
+    if wg not in _moved and not exact:
         return False
     with torch.inference_mode(False), torch.no_grad():
         wg.data, wu.data = wg.data.clone(), wu.data.clone()
