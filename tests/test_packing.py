@@ -48,6 +48,9 @@ def test_fuse_packs_the_same_parameters_with_the_same_values():
     assert dict(mlp.named_parameters()) == params and {n: p.requires_grad for n, p in params.items()} == flags
     assert all(torch.equal(mlp.state_dict()[k], v) for k, v in sd.items())
     assert all(mlp.state_dict()[k].shape == v.shape for k, v in sd.items())
+    tritonmm.unfuse(tritonmm.unfuse(tritonmm.fuse(mlp), unpack=False))
+    assert type(mlp) is MLP and is_packed(mlp)  # unpack=False: the class only
+    tritonmm.fuse(mlp)
     tritonmm.unfuse(mlp)  # gives each weight its own storage again
     assert type(mlp) is MLP and all(torch.equal(mlp.state_dict()[k], v) for k, v in sd.items())
     assert not is_packed(mlp) and dict(mlp.named_parameters()) == params

@@ -306,9 +306,9 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
     return model
 
 
-def unfuse(model: nn.Module) -> nn.Module:
-    """Undo :func:`fuse`: every fused module gets its original class back, in place, and gate and up
-    weights that ``fuse`` packed get their own storage again.
+def unfuse(model: nn.Module, unpack: bool = True) -> nn.Module:
+    """Undo :func:`fuse`: every fused module gets its original class back, in place, and with ``unpack``
+    its packed gate and up weights get their own storage again (:func:`tritonmm.packing.unpack`).
 
     Returns:
         The same ``model`` object.
@@ -316,7 +316,7 @@ def unfuse(model: nn.Module) -> nn.Module:
     for module in model.modules():
         base = type(module).__dict__.get("_tritonmm_fused_base")
         if base is not None:
-            if type(module).forward is _fused_forward:
+            if unpack and type(module).forward is _fused_forward:
                 gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
                 if isinstance(gate, nn.Module) and isinstance(up, nn.Module):
                     packing.unpack(gate, up)
