@@ -282,8 +282,8 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
             (:mod:`tritonmm.packing`: the same parameters, values and memory), so that calls that take
             cuBLAS projections (:data:`tritonmm.gated.PRODUCT_MIN_FLOPS`) run both as one GEMM. Weights that
             cannot move (biases, tensor subclasses, inference tensors, other tensors viewing them, CPU
-            weights outside Triton's interpreter) stay where they are. A later ``.to()`` that moves the parameters unpacks them: call
-            ``fuse`` again to pack them. Packed weights share one storage, as do their gradients:
+            weights outside Triton's interpreter) stay where they are. A later ``.to()`` that moves the
+            parameters unpacks them: call ``fuse`` again to pack them. Packed weights share one storage, as do their gradients:
             safetensors' ``save_model`` / ``load_model`` refuse that, and plain ``pickle`` (not
             ``torch.save``) writes the whole storage for each; :func:`unfuse` first, or ``pack=False``.
 
@@ -299,11 +299,16 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
         if (new or again) and (filter_fn is None or filter_fn(module, fqn)):
             if new:
                 module.__class__ = _fused_class(type(module))
-            if pack and type(module).forward is _fused_forward:
-                gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
-                if isinstance(gate, nn.Module) and isinstance(up, nn.Module):
-                    packing.pack(gate, up)
+            pair = _gate_up(module) if pack and type(module).forward is _fused_forward else None
+            if pair:
+                packing.pack(*pair)
     return model
+
+
+def _gate_up(module: nn.Module) -> Optional[tuple]:
+    """A fused MLP's (gate_proj, up_proj), or None where either is not a module."""
+    gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+    return (gate, up) if isinstance(gate, nn.Module) and isinstance(up, nn.Module) else None
 
 
 def unfuse(model: nn.Module, unpack: bool = True) -> nn.Module:
@@ -316,9 +321,8 @@ def unfuse(model: nn.Module, unpack: bool = True) -> nn.Module:
     for module in model.modules():
         base = type(module).__dict__.get("_tritonmm_fused_base")
         if base is not None:
-            if unpack and type(module).forward is _fused_forward:
-                gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
-                if isinstance(gate, nn.Module) and isinstance(up, nn.Module):
-                    packing.unpack(gate, up)
+            pair = _gate_up(module) if unpack and type(module).forward is _fused_forward else None
+            if pair:
+                packing.unpack(*pair)
             module.__class__ = base
     return model

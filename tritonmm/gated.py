@@ -247,19 +247,20 @@ class _PackedCast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w_gate, w_up, dtype):
-        ctx.dtypes = (w_gate.dtype, w_up.dtype)
+        ctx.dtype = w_gate.dtype  # (packed weights have one dtype)
         w = gated_cublas.packed(w_gate, w_up).to(dtype)
         N = w_gate.shape[0]
         return w[:N], w[N:]
 
     @staticmethod
     def backward(ctx, d_gate, d_up):
-        dtype = ctx.dtypes[0]
-        if d_gate is not None and d_up is not None and gated_cublas.packed(d_gate, d_up) is not None:
-            d = gated_cublas.packed(d_gate, d_up).to(dtype)  # one cast
+        dtype = ctx.dtype
+        d = gated_cublas.packed(d_gate, d_up) if d_gate is not None and d_up is not None else None
+        if d is not None:
+            d = d.to(dtype)  # one cast
             N = d_gate.shape[0]
             return d[:N], d[N:], None
-        return (None if d_gate is None else d_gate.to(dtype), None if d_up is None else d_up.to(ctx.dtypes[1]), None)
+        return (None if d_gate is None else d_gate.to(dtype), None if d_up is None else d_up.to(dtype), None)
 
 
 def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
@@ -306,7 +307,7 @@ _grad_enabled = torch.is_grad_enabled
 _F_linear = F.linear
 _any_autocast = torch._C._is_any_autocast_enabled
 _INTERPRET = raw_name("TRITON_INTERPRET")
-cublas_forward = gated_cublas.forward
+_cublas_forward = gated_cublas.forward
 
 
 def _fast_key(x, wg, wu, bg, bu, activation):
@@ -347,7 +348,7 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
     lead, M = x.shape[:-1], x.numel() // K if K else 0
     if M > GATED_MAX_M:
         def run(x, wg, wu, bg, bu):  # cuBLAS projections (one GEMM where packed), one-pass product
-            return cublas_forward(x, wg, wu, bg, bu, activation, False)[0]
+            return _cublas_forward(x, wg, wu, bg, bu, activation, False)[0]
     else:
         x2 = x.reshape(-1, K)
         view = x2.data_ptr() == x.data_ptr()  # x is read in place: the launcher takes its pointer, strides bound

@@ -102,12 +102,13 @@ def grads(dh, g, u, activation, needs):
     """(d_gate, d_up, both) from the upstream gradient ``dh`` and the saved projections: one Triton pass where
     the kernels serve the tensors, else torch's formulas. Where ``g`` and ``u`` are the :func:`halves` of one
     tensor, so are the gradients, of ``both`` (M, 2N); else ``both`` is None."""
-    pair = g.is_contiguous() and u.is_contiguous() or halves(g, u)
-    if serves(g) and g.numel() and pair and dh.dtype == g.dtype == u.dtype \
-            and dh.device == g.device and modes.plain(dh, g, u) and not modes.torch_only(dh) and modes.eager():
+    split = halves(g, u)
+    if serves(g) and g.numel() and (split or g.is_contiguous() and u.is_contiguous()) \
+            and dh.dtype == g.dtype == u.dtype and dh.device == g.device and modes.plain(dh, g, u) \
+            and not modes.torch_only(dh) and modes.eager():
         dh = dh.contiguous()
         M, N = g.shape
-        both = torch.empty((M, 2 * N), dtype=g.dtype, device=g.device) if halves(g, u) else None
+        both = torch.empty((M, 2 * N), dtype=g.dtype, device=g.device) if split else None
         d_gate, d_up = (both[:, :N], both[:, N:]) if both is not None else (torch.empty_like(g), torch.empty_like(u))
         (_kernels or _load()).gated_product_backward(dh, g, u, d_gate, d_up, activation)
         return d_gate, d_up, both

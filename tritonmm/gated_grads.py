@@ -3,7 +3,8 @@
 The forward saves what torch saves for its expression, plus the two projections; the backward computes
 both projections' gradients in one pass (:func:`tritonmm.gated_cublas.grads`) and runs its GEMMs on
 cuBLAS (where the forward ran packed weights as one GEMM, both weights' gradients as one GEMM too: they are
-then the two halves of one tensor). A backward with ``create_graph=True`` recomputes the torch expression and differentiates it.
+then the two halves of one tensor). A backward with ``create_graph=True`` recomputes the torch expression
+and differentiates it.
 """
 
 from __future__ import annotations
