@@ -184,7 +184,7 @@ def test_copies_and_saves_keep_values():
     tritonmm.unfuse(loaded)  # (not packed by this process's fuse: unpacked all the same)
     assert not is_packed(loaded) and type(loaded) is MLP
     torch.testing.assert_close(loaded(x), out)
-    packing.pack(mlp.gate_proj, mlp.up_proj)  # packed already: nothing moves
+    packing.pack(mlp.gate_proj, mlp.up_proj, accept=gated_cublas.serves)  # packed already: nothing moves
     torch.testing.assert_close(mlp(x), out)
 
 
@@ -281,3 +281,38 @@ def test_filter_is_asked_once_per_module():
     asked.clear()
     tritonmm.fuse(model, filter_fn=lambda m, name: asked.append(name) or True)  # 0 fused already, 1 newly
     assert asked == ["0", "1"] and is_packed(model[1])
+
+
+@pytest.mark.parametrize("lead", [(40,), (2, 20)], ids=["2d", "3d"])
+def test_bound_replay_of_packed_calls_matches_float64_and_falls_back(lead, monkeypatch):
+    """Repeated no-grad calls replay one GEMM on the packed weights and one bound launch of the product on its
+    halves: the same values as the first call; a pair of the same geometry that is not packed takes the
+    unpacked path; a failing launch falls back to torch with a warning."""
+    from tritonmm.kernels import gated_product
+
+    torch.manual_seed(0)
+    both = randn(48, 32) / 32**0.5
+    wg, wu = both[:24], both[24:]
+    x = randn(*lead, 32)
+    gemms = count_one_gemm(monkeypatch)
+    launches = []
+    real_launcher = gated_product.halves_launcher
+    monkeypatch.setattr(gated_product, "halves_launcher", lambda *a: (lambda launch: lambda args: (
+        launches.append(args[2]), launch(args)))(real_launcher(*a)))
+    gated.clear_cache()
+    with torch.no_grad():
+        outs = [tritonmm.gated_linear(x, wg, wu) for _ in range(3)]
+        assert len(gated._fast) == 1 and launches == [24, 24]  # the second and third calls replay
+        for out in outs:
+            assert_close_to_ref(out, x, wg, wu)
+            assert torch.equal(out, outs[0])
+        apart = randn(24, 32) / 32**0.5, randn(24, 32) / 32**0.5  # same geometry, two storages
+        gemms.clear()
+        assert_close_to_ref(tritonmm.gated_linear(x, *apart), x, *apart)
+        assert launches == [24, 24] and gemms == [False]  # the unpacked path, through the same replay
+    monkeypatch.setattr(gated_product, "_gated_product_halves_kernel", None)  # (a launch that raises TypeError)
+    monkeypatch.setattr(gated_product, "LAUNCH_FAILURES", (TypeError,))
+    gated.clear_cache()
+    with torch.no_grad(), pytest.warns(Warning):
+        for _ in range(2):
+            assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)

@@ -18,12 +18,15 @@
   nn.Sequential's own forward, as swapped layers do (:mod:`tritonmm.nn`); it comes back on ``.to()``,
   on assigning a module to it (``seq[i] = m``), ``force_backend`` and ``clear_cache``. Modules added
   through ``append``, ``insert`` or ``del`` to a settled Sequential run unfused until one of those.
+* **Attention projections** (Llama, Mistral, Qwen2, Qwen3): where ``q_proj``, ``k_proj`` and ``v_proj``
+  read the attention's hidden states, their packed weights run as one cuBLAS GEMM in inference
+  (:mod:`tritonmm.qkv`); with ``pack=False`` attentions are not fused.
 
 Like :func:`tritonmm.swap_linear`, ``fuse`` changes the module's class in place to a subclass, so
 parameters, ``state_dict``, hooks, tied weights and ``isinstance`` are untouched. By default it also
-packs each fused MLP's gate and up weights into one allocation (:mod:`tritonmm.packing`): the same
-parameter objects and values, moved, so that calls on cuBLAS run both projections as one GEMM;
-``unfuse`` gives them their own storage again. Calls where a forward
+packs each fused MLP's gate and up weights, and each fused attention's q, k and v weights, into one
+allocation (:mod:`tritonmm.packing`): the same parameter objects and values, moved, so that calls on
+cuBLAS run those projections as one GEMM; ``unfuse`` gives them their own storage again. Calls where a forward
 or backward hook is registered on a module the fusion would skip (``gate_proj``, ``up_proj``,
 ``act_fn``; the Linear and its activation) or globally, or an instance's ``forward`` is replaced
 (accelerate's hooks do that), modules that are no longer such Linears or activations (a class whose
@@ -39,13 +42,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.fx import Proxy as _Proxy
-from torch.nn.modules import module as _module
 
-from . import packing
+from . import packing, qkv
+from .gated_cublas import serves
 from .api import linear, torch_planned
 from .gated import gated_linear, torch_serves
 from .modes import PLAIN
-from .nn import _original_forward, _patched_forward, _settled_forward, settle, settled_class
+from .nn import _original_forward, _settled_forward, settle, settled_class
+from .plain_modules import MISSING as _MISSING
+from .plain_modules import MODULE_CALL as _MODULE_CALL
+from .plain_modules import any_hooked as _any_hooked
+from .plain_modules import global_hooks as _global_hooks
+from .plain_modules import linear_type as _linear_type
+from .plain_modules import param as _param
+from .plain_modules import plain_linear as _plain_linear
 
 
 def _llama_mlp_forward(self, x):  # transformers' LlamaMLP.forward, verbatim: the form fuse recognizes
@@ -67,7 +77,6 @@ _FORMS = {_code_form(_llama_mlp_forward), _code_form(_llama_mlp_forward_return)}
 
 _SIMPLE = {nn.SiLU: "silu", nn.ReLU: "relu"}
 _FORWARDS = {t: t.forward for t in (nn.SiLU, nn.ReLU, nn.GELU)}  # an activation's forward when first seen
-_MODULE_CALL = nn.Module.__call__
 
 
 def _activation_kind(act, t) -> Optional[str]:
@@ -99,16 +108,6 @@ def activation_name(act) -> Optional[str]:
     return name
 
 
-def _plain_linear(m) -> bool:
-    """An nn.Linear running torch's forward (as torch defines it, or tritonmm's patched or swapped one),
-    called as modules are called."""
-    t = type(m)
-    if not isinstance(m, nn.Linear) or t.__call__ is not _MODULE_CALL or t._call_impl is not nn.Module._call_impl:
-        return False
-    return t.forward in (_original_forward, _patched_forward) or "_tritonmm_base" in t.__dict__ \
-        or "_tritonmm_patched" in t.__dict__
-
-
 def _plain_params(weight, bias) -> bool:
     """Parameters the fused calls may read: plain tensors (a subclass with its own F.linear keeps it)."""
     return type(weight) in PLAIN and (bias is None or type(bias) in PLAIN)
@@ -135,53 +134,22 @@ def fusable(module: nn.Module) -> bool:
     """Whether :func:`fuse` would fuse ``module`` (see the module docstring)."""
     if "_tritonmm_fused_base" in type(module).__dict__:
         return False
-    return _gated_mlp(module) or _linear_activation_pairs(module)
+    return _gated_mlp(module) or _linear_activation_pairs(module) or qkv.fusable(module)
 
 
-_is_compiling = torch.compiler.is_compiling
-_linear_types: dict = {}  # type -> (whether _plain_linear holds for its instances, the type's forward then)
+def _kind(cls: type) -> Optional[str]:
+    """What a fused class fuses: "mlp", "attention" or "sequential"; None for other classes."""
+    if "_tritonmm_fused_base" not in cls.__dict__:  # (a settled fused Sequential's class carries the mark too)
+        return None
+    forward = cls.forward
+    if forward is _fused_forward:
+        return "mlp"
+    return "attention" if getattr(forward, "_tritonmm_qkv", False) else "sequential"
 
 
-def _linear_type(m) -> bool:
-    """:func:`_plain_linear`, remembered by type (again where the type's forward has changed since)."""
-    t = type(m)
-    hit = _linear_types.get(t)
-    forward = t.forward
-    if hit is None or hit[1] is not forward:
-        if len(_linear_types) >= 1024:  # (parametrizations make a class per module)
-            _linear_types.clear()
-        hit = _linear_types[t] = (_plain_linear(m), forward)
-    return hit[0]
-
-
-def _any_hooked(*modules) -> bool:
-    """Forward or backward hooks on any of ``modules`` or globally, or a forward set on an instance (as
-    accelerate's hooks do)."""
-    for m in modules:
-        d = m.__dict__
-        if d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"] \
-                or "forward" in d:
-            return True
-    return _global_hooks()
-
-
-def _global_hooks() -> bool:
-    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
-                or _module._global_backward_pre_hooks)
-
-
-_MISSING = object()
 _F_linear = F.linear
+_is_compiling = torch.compiler.is_compiling
 _TORCH_LINEAR_FORWARDS = (_original_forward, _settled_forward)
-
-
-def _param(m, name, default=_MISSING):
-    """``m.<name>`` read from ``_parameters`` directly (nn.Module.__getattr__ where it is not there);
-    ``default`` where ``m`` has no such attribute, if given."""
-    p = m._parameters.get(name, _MISSING)
-    if p is not _MISSING:
-        return p
-    return getattr(m, name) if default is _MISSING else getattr(m, name, default)
 
 
 def _fused_forward(self, x):
@@ -254,16 +222,17 @@ def _new_fused(base: type) -> nn.Module:
 
 def _fused_reduce_ex(self, protocol):
     reduced = nn.Module.__reduce_ex__(self, protocol)
-    return (_new_fused, (type(self).__dict__["_tritonmm_fused_base"],), *reduced[2:])
+    return (_new_fused, (type(self).__dict__["_tritonmm_fused_base"],), qkv.state(self, reduced[2]), *reduced[3:])
 
 
 def _fused_class(cls: type) -> type:
     if cls not in _fused_classes:
         sequential = cls.forward is nn.Sequential.forward
+        attrs = {"forward": _fused_sequential_forward} if sequential else {"forward": _fused_forward} \
+            if _code_form(cls.forward) in _FORMS else qkv.fused_attributes(cls)
         fused = _fused_classes[cls] = type(
             f"TritonFused{cls.__name__}", (cls,),
-            {"forward": _fused_sequential_forward if sequential else _fused_forward, "_tritonmm_fused_base": cls,
-             "__module__": __name__, "__reduce_ex__": _fused_reduce_ex})
+            {**attrs, "_tritonmm_fused_base": cls, "__module__": __name__, "__reduce_ex__": _fused_reduce_ex})
         if sequential:  # any module assigned to it may make or break a pair
             settled_class(fused, _settled_sequential_forward, lambda name, value: isinstance(value, nn.Module))
     return _fused_classes[cls]
@@ -271,17 +240,21 @@ def _fused_class(cls: type) -> type:
 
 def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
          pack: bool = True) -> nn.Module:
-    """Fuse, in place, every gated MLP of ``model`` (gate and up as one GEMM) and every Linear directly
-    followed by a known activation module in an ``nn.Sequential`` (the activation in the GEMM's epilogue).
+    """Fuse, in place, every gated MLP of ``model`` (gate and up as one GEMM), every Linear directly
+    followed by a known activation module in an ``nn.Sequential`` (the activation in the GEMM's epilogue)
+    and, with ``pack``, every attention whose q, k and v projections read its hidden states (one GEMM in
+    inference, :mod:`tritonmm.qkv`).
 
     Args:
         model: any module tree (the root included).
-        filter_fn: ``(module, fully_qualified_name) -> bool``, asked once for each MLP or Sequential that
-            qualifies (:func:`fusable`) and, with ``pack``, each MLP fused already; default: all of them.
-        pack: also store each fused MLP's gate and up weights in one allocation, gate first
-            (:mod:`tritonmm.packing`: the same parameters, values and memory), so that calls that take
-            cuBLAS projections (:data:`tritonmm.gated.PRODUCT_MIN_FLOPS`) run both as one GEMM. Weights that
-            cannot move (biases, tensor subclasses, inference tensors, other tensors viewing them, CPU
+        filter_fn: ``(module, fully_qualified_name) -> bool``, asked once for each MLP, attention or
+            Sequential that qualifies (:func:`fusable`) and, with ``pack``, each MLP or attention fused
+            already; default: all of them.
+        pack: also store each fused MLP's gate and up weights in one allocation, gate first, and each
+            attention's q, k and v weights (and biases, where all three have one) in one allocation, in that
+            order (:mod:`tritonmm.packing`: the same parameters, values and memory), so that calls that take
+            cuBLAS projections (:data:`tritonmm.gated.PRODUCT_MIN_FLOPS`) run them as one GEMM. Weights that
+            cannot move (MLP biases, tensor subclasses, inference tensors, other tensors viewing them, CPU
             weights outside Triton's interpreter) stay where they are. A later ``.to()`` that moves the
             parameters unpacks them: call ``fuse`` again to pack them. Packed weights share one storage, as do their gradients:
             safetensors' ``save_model`` / ``load_model`` refuse that, and plain ``pickle`` (not
@@ -294,14 +267,20 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
         The same ``model`` object.
     """
     for fqn, module in model.named_modules():
-        new = fusable(module)
-        again = pack and type(module).forward is _fused_forward  # a fused MLP: packed here if it is not
-        if (new or again) and (filter_fn is None or filter_fn(module, fqn)):
+        kind = _kind(type(module))
+        new = kind is None and (_gated_mlp(module) or _linear_activation_pairs(module))
+        attention = pack and kind is None and not new and qkv.fusable(module)
+        again = pack and kind in ("mlp", "attention")  # fused already: packed here if it is not
+        if (new or attention or again) and (filter_fn is None or filter_fn(module, fqn)):
             if new:
                 module.__class__ = _fused_class(type(module))
+            if attention or kind == "attention":
+                if qkv.pack(module) and attention:
+                    module.__class__ = _fused_class(type(module))
+                continue
             pair = _gate_up(module) if pack and type(module).forward is _fused_forward else None
             if pair:
-                packing.pack(*pair)
+                packing.pack(*pair, accept=serves)
     return model
 
 
@@ -313,7 +292,7 @@ def _gate_up(module: nn.Module) -> Optional[tuple]:
 
 def unfuse(model: nn.Module, unpack: bool = True) -> nn.Module:
     """Undo :func:`fuse`: every fused module gets its original class back, in place, and with ``unpack``
-    its packed gate and up weights get their own storage again (:func:`tritonmm.packing.unpack`).
+    its packed weights (gate and up; q, k and v) get their own storage again (:func:`tritonmm.packing.unpack`).
 
     Returns:
         The same ``model`` object.
@@ -321,8 +300,13 @@ def unfuse(model: nn.Module, unpack: bool = True) -> nn.Module:
     for module in model.modules():
         base = type(module).__dict__.get("_tritonmm_fused_base")
         if base is not None:
-            pair = _gate_up(module) if unpack and type(module).forward is _fused_forward else None
+            kind = _kind(type(module))
+            pair = _gate_up(module) if unpack and kind == "mlp" else None
             if pair:
                 packing.unpack(*pair)
+            if kind == "attention":
+                qkv.drop(module)
+                if unpack:
+                    qkv.unpack(module)
             module.__class__ = base
     return model

@@ -346,8 +346,10 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
     """Bind the geometry's launcher (built by the call just served) into a replay of that call."""
     N, K = wg.shape
     lead, M = x.shape[:-1], x.numel() // K if K else 0
-    if M > GATED_MAX_M:
-        def run(x, wg, wu, bg, bu):  # cuBLAS projections (one GEMM where packed), one-pass product
+    if M > GATED_MAX_M and bg is None and bu is None:  # one GEMM where packed, one bound product launch
+        run = gated_cublas.replay(x, wg, activation)
+    elif M > GATED_MAX_M:
+        def run(x, wg, wu, bg, bu):  # cuBLAS projections, one-pass product
             return _cublas_forward(x, wg, wu, bg, bu, activation, False)[0]
     else:
         x2 = x.reshape(-1, K)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from . import activations, modes, runners
 from ._env import interpreting
+from .packing import stacked
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The dtypes the Triton kernels of the gated linear take."""
@@ -31,17 +32,11 @@ def serves(t: torch.Tensor) -> bool:
 
 def packed(w_gate: torch.Tensor, w_up: torch.Tensor):
     """The (2N, K) tensor [w_gate; w_up], a view, where ``w_up`` directly follows ``w_gate`` in one storage
-    (both contiguous, one dtype), else None. Detached: callers return the weights' gradients themselves."""
-    n = w_gate.numel()
-    if not n or not (w_gate.is_contiguous() and w_up.is_contiguous()) or w_gate.dtype != w_up.dtype \
-            or w_gate.shape != w_up.shape or w_gate.dim() != 2:
+    (both contiguous, one shape and dtype; :func:`tritonmm.packing.stacked`), else None. Detached: callers
+    return the weights' gradients themselves."""
+    if w_gate.shape != w_up.shape or w_gate.dim() != 2:
         return None
-    size = w_gate.element_size()
-    pg, pu = w_gate.data_ptr(), w_up.data_ptr()
-    if pu != pg + n * size or pg - w_gate.storage_offset() * size != pu - w_up.storage_offset() * size:
-        return None  # not adjacent, or adjacent allocations of two storages
-    N, K = w_gate.shape
-    return w_gate.detach().as_strided((2 * N, K), (K, 1))
+    return stacked((w_gate, w_up))
 
 
 _empty = torch.empty  # the product's output allocator (tests swap in a NaN-filling one)
@@ -65,6 +60,37 @@ def forward(x, w_gate, w_up, b_gate, b_up, activation, save, pack=True):
     return (h, g.view(M, N), u.view(M, N)) if save else (h, None, None)
 
 
+def replay(x, w_gate, activation):
+    """A bound :func:`forward` (no biases, nothing saved) for later calls of ``x``'s and ``w_gate``'s geometry
+    (shapes, strides, dtypes and devices, which the caller's cache key fixes): where the weights are packed,
+    one GEMM on x @ [Wg; Wu]^T and one bound launch of the product on its two halves, with no other tensor
+    made on the way; else :func:`forward`."""
+    N, K = w_gate.shape
+    lead = x.shape[:-1]
+    M, size, dtype, device = lead.numel(), w_gate.element_size(), x.dtype, x.device
+    step, both, strides, out_shape = N * K * size, (2 * N, K), (K, 1), (*lead, N)
+    kernels = _kernels or _load()
+    launch = kernels.halves_launcher(M, N, dtype, device, activation)
+
+    def run(x, w_gate, w_up, b_gate, b_up):
+        pg, pu = w_gate.data_ptr(), w_up.data_ptr()
+        if pu != pg + step or pg - w_gate.storage_offset() * size != pu - w_up.storage_offset() * size:
+            return forward(x, w_gate, w_up, b_gate, b_up, activation, False)[0]  # not packed
+        gu = _F_linear(x, w_gate.as_strided(both, strides))  # (no autograd here: the caller's key has no gradient)
+        h = _empty(out_shape, dtype=dtype, device=device)
+        if not gu.is_contiguous():
+            gu = gu.contiguous()
+        if M:
+            try:
+                launch((gu, h, N))
+            except kernels.LAUNCH_FAILURES as e:  # as in product(): torch serves, warned
+                _torch_product(gu.view(M, 2 * N)[:, :N], gu.view(M, 2 * N)[:, N:], h.view(M, N), activation, e)
+        return h
+
+    return run
+
+
+_F_linear = F.linear
 _kernels = None  # tritonmm.kernels.gated_product, imported on first use (import tritonmm imports no Triton)
 
 
@@ -85,9 +111,13 @@ def product(g, u, h, activation) -> None:
     try:
         kernels.gated_product(g, u, h, activation)
     except kernels.LAUNCH_FAILURES as e:  # (not seen: an elementwise kernel) torch serves, warned
-        warnings.warn(f"tritonmm.gated_linear: the gated product kernel failed ({type(e).__name__}: {e}); "
-                      "torch computes it", runners.KernelFailedWarning, stacklevel=4)
-        h.copy_(activations.apply(g.float(), activation) * u.float())
+        _torch_product(g, u, h, activation, e)
+
+
+def _torch_product(g, u, h, activation, e) -> None:
+    warnings.warn(f"tritonmm.gated_linear: the gated product kernel failed ({type(e).__name__}: {e}); "
+                  "torch computes it", runners.KernelFailedWarning, stacklevel=5)
+    h.copy_(activations.apply(g.float(), activation) * u.float())
 
 
 def halves(g, u) -> bool:

@@ -1,23 +1,45 @@
-"""Packed gate and up weights: the two parameters of a gated MLP stored in one allocation.
+"""Packed weights: the parameters of projections that read one input, stored in one allocation.
 
-Where the up weight directly follows the gate weight in memory, the gate and up projections that run on
-cuBLAS (:data:`tritonmm.gated.PRODUCT_MIN_FLOPS`) run as one GEMM on x @ [Wg; Wu]^T, and both weights'
-gradients as one GEMM: one launch instead of two, one grid of tiles instead of two quantized ones
-(:func:`tritonmm.gated_cublas.packed`). :func:`pack` arranges that in place: the parameters stay the
-same objects with the same values, shapes, dtypes and ``requires_grad``; only their storage moves, as
-with ``param.data = ...``. Nothing is copied twice: the old storages are freed when nothing else holds them.
+Where each weight directly follows the one before in memory, the projections can run as one GEMM on
+x @ [W0; W1; ...]^T: one launch instead of several, one grid of tiles instead of several quantized
+ones. A fused MLP's gate and up projections run that way where they go to cuBLAS
+(:func:`tritonmm.gated_cublas.packed`), and their weights' gradients as one GEMM; a fused attention's
+q, k and v projections run that way in inference (:mod:`tritonmm.projections`). :func:`pack` arranges it
+in place: the parameters stay the same objects with the same values, shapes, dtypes and
+``requires_grad``; only their storage moves, as with ``param.data = ...``. Nothing is copied twice: the
+old storages are freed when nothing else holds them.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .gated_cublas import packed, serves
-
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
-_moved = WeakIdKeyDictionary()  # gate weights :func:`pack` moved (:func:`unpack` undoes those), by identity
+_moved = WeakIdKeyDictionary()  # first weights :func:`pack` moved (:func:`unpack` undoes those), by identity
+
+
+def stacked(tensors) -> Optional[torch.Tensor]:
+    """The tensor [t0; t1; ...] (concatenated along dim 0), a view, where each tensor directly follows the
+    one before in one storage (all contiguous and non-empty, one dtype, one shape but for dim 0), else
+    None. Detached: callers return the tensors' gradients themselves."""
+    first = tensors[0]
+    if not first.dim():
+        return None
+    size, tail = first.element_size(), first.shape[1:]
+    ptr = first.data_ptr()
+    base, rows = ptr - first.storage_offset() * size, 0
+    for t in tensors:
+        n = t.numel()
+        if not n or t.dtype != first.dtype or t.shape[1:] != tail or not t.is_contiguous() or t.data_ptr() != ptr \
+                or ptr - t.storage_offset() * size != base:
+            return None  # not adjacent, or adjacent allocations of two storages
+        ptr += n * size
+        rows += t.shape[0]
+    return first.detach().as_strided((rows, *tail), (tail.numel(), *first.stride()[1:]))
 
 
 def _sole_owner(p: torch.Tensor) -> bool:
@@ -29,54 +51,79 @@ def _sole_owner(p: torch.Tensor) -> bool:
     return _use_count is None or _use_count(storage._cdata) <= 2  # the tensor's reference and ``storage``'s
 
 
-def packable(gate: nn.Module, up: nn.Module) -> bool:
-    """Whether :func:`pack` can store ``gate``'s and ``up``'s weights in one allocation: plain contiguous
-    parameters of one shape, dtype and device that the gated kernels serve (CUDA), each alone on its
-    storage (not in shared or pinned memory, no inference tensors), no biases, not yet packed."""
-    wg, wu = gate._parameters.get("weight"), up._parameters.get("weight")
-    if type(wg) is not nn.Parameter or type(wu) is not nn.Parameter or wg is wu or not serves(wg):
+def _movable(ps, accept: Callable[[torch.Tensor], bool]) -> bool:
+    """Whether the tensors ``ps`` can move into one allocation: distinct plain contiguous parameters, one
+    dtype and device, one shape but for dim 0, that ``accept`` takes, each alone on its storage (not in
+    shared or pinned memory, no inference tensors), not stacked already."""
+    first = ps[0]
+    if any(type(p) is not nn.Parameter for p in ps) or len({id(p) for p in ps}) != len(ps) or not accept(first):
         return False
-    if wg.is_inference() or wu.is_inference():
+    if any(p.is_inference() for p in ps) or first.device.type == "meta":
         return False
-    if wg.device.type == "cpu" and any(w.is_shared() or w.is_pinned() for w in (wg, wu)):
+    if first.device.type == "cpu" and any(p.is_shared() or p.is_pinned() for p in ps):
         return False  # (shared with other processes, or pinned for copies: a new allocation would be neither)
-    if gate._parameters.get("bias") is not None or up._parameters.get("bias") is not None:
-        return False  # (the packed GEMM takes no biases)
-    if wg.shape != wu.shape or wg.dim() != 2 or wg.dtype != wu.dtype or wg.device != wu.device \
-            or wg.device.type == "meta" or not wg.numel() or not (wg.is_contiguous() and wu.is_contiguous()):
+    if any(p.dim() != first.dim() or p.shape[1:] != first.shape[1:] or p.dtype != first.dtype
+           or p.device != first.device or not p.numel() or not p.is_contiguous() for p in ps):
         return False
-    return packed(wg, wu) is None and _sole_owner(wg) and _sole_owner(wu)
+    return stacked(ps) is None and all(_sole_owner(p) for p in ps)
 
 
-def pack(gate: nn.Module, up: nn.Module) -> bool:
-    """Move ``gate.weight`` and ``up.weight`` into one (2N, K) allocation, gate first, where
-    :func:`packable`; returns whether they are packed now."""
-    wg, wu = gate._parameters.get("weight"), up._parameters.get("weight")
-    if wg is not None and wu is not None and packed(wg, wu) is not None:
+def _params(modules, name: str):
+    return [m._parameters.get(name) for m in modules]
+
+
+def packable(*modules: nn.Module, accept: Callable[[torch.Tensor], bool], biases: bool = False) -> bool:
+    """Whether :func:`pack` can store the ``modules``' weights (and, with ``biases``, their biases) in one
+    allocation each (see :func:`_movable`; ``accept``: the weights' dtypes and devices the caller serves).
+    Without ``biases``, modules with a bias are not packable; with it, either all or none have one."""
+    weights, bs = _params(modules, "weight"), _params(modules, "bias")
+    if any(w is None for w in weights) or not _movable(weights, accept):
+        return False
+    present = [b is not None for b in bs]
+    if not any(present):
         return True
-    if not packable(gate, up):
+    return biases and all(present) and (stacked(bs) is not None or _movable(bs, lambda b: True))
+
+
+def pack(*modules: nn.Module, accept: Callable[[torch.Tensor], bool], biases: bool = False) -> bool:
+    """Move the ``modules``' weights into one (sum of N, K) allocation in order (and their biases into another,
+    with ``biases``), where :func:`packable`; returns whether they are packed now."""
+    weights, bs = _params(modules, "weight"), _params(modules, "bias")
+    if all(w is not None for w in weights) and stacked(weights) is not None \
+            and (all(b is None for b in bs) or biases and all(b is not None for b in bs) and stacked(bs) is not None):
+        return True
+    if not packable(*modules, accept=accept, biases=biases):
         return False
-    N = wg.shape[0]
+    groups = [weights] + ([bs] if bs[0] is not None and stacked(bs) is None else [])
     with torch.inference_mode(False), torch.no_grad():  # (under inference mode too: parameters stay normal tensors)
-        both = torch.empty((2 * N, wg.shape[1]), dtype=wg.dtype, device=wg.device)
-        both[:N].copy_(wg)
-        both[N:].copy_(wu)
-        wg.data, wu.data = both[:N], both[N:]
-    _moved[wg] = True
+        for ps in groups:
+            rows = sum(p.shape[0] for p in ps)
+            whole = torch.empty((rows, *ps[0].shape[1:]), dtype=ps[0].dtype, device=ps[0].device)
+            start = 0
+            for p in ps:
+                whole[start:start + p.shape[0]].copy_(p)
+                p.data = whole[start:start + p.shape[0]]
+                start += p.shape[0]
+    _moved[weights[0]] = True
     return True
 
 
-def unpack(gate: nn.Module, up: nn.Module) -> bool:
-    """Give packed weights their own storage again (copies of their current values): those :func:`pack`
-    moved, and pairs whose storage holds exactly the two (as a packed model's does after ``torch.save`` and
-    ``torch.load``); returns whether it did."""
-    wg, wu = gate._parameters.get("weight"), up._parameters.get("weight")
-    if wg is None or wu is None or packed(wg, wu) is None:
+def unpack(*modules: nn.Module) -> bool:
+    """Give packed weights (and packed biases) their own storage again (copies of their current values): those
+    :func:`pack` moved, and groups whose storage holds exactly those weights (as a packed model's does after
+    ``torch.save`` and ``torch.load``); returns whether it did."""
+    weights, bs = _params(modules, "weight"), _params(modules, "bias")
+    if any(w is None for w in weights) or stacked(weights) is None:
         return False
-    exact = wg.storage_offset() == 0 and wg.untyped_storage().nbytes() == 2 * wg.numel() * wg.element_size()
-    if wg not in _moved and not exact:
+    first = weights[0]
+    exact = first.storage_offset() == 0 and \
+        first.untyped_storage().nbytes() == sum(w.numel() for w in weights) * first.element_size()
+    if first not in _moved and not exact:
         return False
     with torch.inference_mode(False), torch.no_grad():
-        wg.data, wu.data = wg.data.clone(), wu.data.clone()
-    _moved.pop(wg, None)
+        for ps in (weights, bs):
+            if all(p is not None for p in ps) and stacked(ps) is not None:
+                for p in ps:
+                    p.data = p.data.clone()
+    _moved.pop(first, None)
     return True

@@ -1,6 +1,6 @@
 """The model benchmark: a transformers Llama-architecture model with tritonmm off, swapped in,
-patched in and with its MLPs fused, alternated in one process; and the per-call host cost of each
-entry point.
+patched in and fused (MLPs and attention projections), alternated in one process; and the per-call
+host cost of each entry point.
 
 Phases (each timed per mode, the order of the modes rotated round by round, wall time between
 ``torch.cuda.synchronize()`` calls): eager prefill, eager decode with a KV cache, a training step
@@ -60,7 +60,8 @@ def build_model(name: str, device, dtype):
 @contextlib.contextmanager
 def mode(name: str, model):
     """tritonmm off, swapped into ``model`` (``swap_linear``), patched into nn.Linear (``patch_linear``), or
-    its MLPs fused (``fuse``: gate and up as one gated GEMM; the other linears stay nn.Linear)."""
+    fused (``fuse``: each MLP's gate and up as one gated GEMM, each attention's q, k and v as one GEMM in
+    inference; the other linears stay nn.Linear)."""
     import tritonmm
 
     if name == "swap":
@@ -237,12 +238,14 @@ def train_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
 
 
 def compile_phase(name: str, device, rounds: int) -> list[dict]:
-    """torch.compile prefill 4 x 1024: one compiled copy of the model per mode."""
+    """torch.compile prefill 4 x 1024: one compiled copy of the model per mode, all reading the same parameters
+    and buffers (copies of the modules only, so that no mode gains or loses by where its weights lie)."""
     import tritonmm
 
     model = build_model(name, device, torch.bfloat16)
     ids = _tokens(model.config.vocab_size, 4, 1024, device)
-    copies = {m: copy.deepcopy(model) for m in (*MODES, CONTROL)}  # the control: a copy of its own, off
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    copies = {m: copy.deepcopy(model, memo=dict(shared)) for m in (*MODES, CONTROL)}  # the control: off, its own copy
     tritonmm.swap_linear(copies["swap"])
     tritonmm.fuse(copies["fuse"])
     compiled = {m: torch.compile(c) for m, c in copies.items()}

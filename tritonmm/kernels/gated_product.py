@@ -58,14 +58,29 @@ def _rows_cols(N, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _store_product(g, u, h_ptr, row, cols, mask, stride_out, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr):
+    dtype = h_ptr.dtype.element_ty
+    a = _to_output(_activation(g, ACTIVATION), dtype, UPCAST).to(tl.float32)  # rounded as eager rounds act(g)
+    tl.store(h_ptr + row * stride_out + cols, _to_output(a * u, dtype, UPCAST), mask=mask)
+
+
+@triton.jit
 def _gated_product_kernel(g_ptr, u_ptr, h_ptr, N, stride_in, stride_out, ACTIVATION: tl.constexpr,
                           UPCAST: tl.constexpr, BLOCK: tl.constexpr):
     row, cols, mask = _rows_cols(N, BLOCK)
     g = tl.load(g_ptr + row * stride_in + cols, mask=mask).to(tl.float32)
     u = tl.load(u_ptr + row * stride_in + cols, mask=mask).to(tl.float32)
-    dtype = h_ptr.dtype.element_ty
-    a = _to_output(_activation(g, ACTIVATION), dtype, UPCAST).to(tl.float32)  # rounded as eager rounds act(g)
-    tl.store(h_ptr + row * stride_out + cols, _to_output(a * u, dtype, UPCAST), mask=mask)
+    _store_product(g, u, h_ptr, row, cols, mask, stride_out, ACTIVATION, UPCAST)
+
+
+@triton.jit
+def _gated_product_halves_kernel(gu_ptr, h_ptr, N, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+    """The product of the two halves of one contiguous (M, 2N) tensor, into a contiguous (M, N) one."""
+    row, cols, mask = _rows_cols(N, BLOCK)
+    g = tl.load(gu_ptr + row * 2 * N + cols, mask=mask).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * N + N + cols, mask=mask).to(tl.float32)
+    _store_product(g, u, h_ptr, row, cols, mask, N, ACTIVATION, UPCAST)
 
 
 @triton.jit
@@ -114,6 +129,20 @@ def gated_product(g: torch.Tensor, u: torch.Tensor, h: torch.Tensor, activation:
     2-D with unit column strides, ``g`` and ``u`` at one row stride (the halves of one (M, 2N) GEMM output)."""
     geometry = _geometry((g, u, h), (g, h))
     _launcher(_gated_product_kernel, (g, u, h), geometry, activation)((g, u, h, *geometry[1:]))
+
+
+def halves_launcher(rows: int, N: int, dtype: torch.dtype, device: torch.device, activation: str):
+    """A bound launch of ``h = act(gu[:, :N]) * gu[:, N:]`` for a contiguous (rows, 2N) ``gu`` and a contiguous
+    (rows, N) ``h``, both 16-byte aligned (fresh allocations): call it as ``launch((gu, h, N))``."""
+    key = (_gated_product_halves_kernel, rows, N, dtype, device, activation)
+    launch = _launchers.get(key)
+    if launch is None:
+        if len(_launchers) >= _LAUNCHERS_MAX:
+            _launchers.clear()
+        upcast = interpreting() and dtype == torch.bfloat16
+        launch = _launchers[key] = DirectLaunch(_gated_product_halves_kernel, (rows * triton.cdiv(N, BLOCK),), dict(
+            ACTIVATION=activation, UPCAST=upcast, BLOCK=BLOCK, num_warps=NUM_WARPS))
+    return launch
 
 
 def gated_product_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,

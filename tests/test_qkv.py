@@ -1,0 +1,242 @@
+"""Fused attention projections (tritonmm.qkv): fuse packs q, k and v into one allocation, and in inference
+the attention runs them as one GEMM whose slices the projections serve; values against the unfused module
+in float64, what stays unfused (autograd, autocast, another input, a changed input), hooks, copies, moves."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tritonmm
+from tritonmm import fusion, packing, qkv
+from tritonmm.testing import randn
+
+pytestmark = pytest.mark.interpreter  # (CPU weights are packed under Triton's interpreter only)
+
+
+class Attention(nn.Module):
+    """The shape of transformers' attention: q, k and v read the hidden states, then an output projection."""
+
+    def __init__(self, hidden=32, kv=16, bias=False, dtype=torch.float64):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, kv, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, kv, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+
+    def forward(self, hidden_states, scale=1.0):
+        query = self.q_proj(hidden_states)
+        key = self.k_proj(hidden_states)
+        value = self.v_proj(hidden_states)
+        return self.o_proj(query * torch.cat([key, value], -1).sigmoid() * scale)
+
+
+class InPlace(Attention):
+    """Changes the hidden states in place between the projections: k and v must see the new values."""
+
+    def forward(self, hidden_states):
+        query = self.q_proj(hidden_states)
+        hidden_states.mul_(2)
+        key = self.k_proj(hidden_states)
+        value = self.v_proj(hidden_states)
+        return self.o_proj(query * torch.cat([key, value], -1))
+
+
+class OtherInput(Attention):
+    """Projects something else than its first argument."""
+
+    def forward(self, hidden_states):
+        h = hidden_states * 3
+        return self.o_proj(self.q_proj(h) * torch.cat([self.k_proj(h), self.v_proj(h)], -1))
+
+
+def is_packed(attn) -> bool:
+    return packing.stacked((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)) is not None
+
+
+@pytest.fixture
+def linear_calls(monkeypatch):
+    """Weights F.linear is called with: nn.Linear's forward (the unfused projections) and the fused GEMM."""
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: calls.append(w) or real(x, w, b))
+    monkeypatch.setattr(qkv, "_F_linear", lambda x, w, b=None: calls.append(("packed", w.shape)) or real(x, w, b))
+    return calls
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_fused_attention_runs_one_gemm_in_inference_with_the_same_values(bias, linear_calls):
+    torch.manual_seed(0)
+    ref = Attention(bias=bias)
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    assert type(attn).__name__ == "TritonFusedAttention" and is_packed(attn)
+    if bias:
+        assert packing.stacked((attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)) is not None
+    x = randn(2, 5, 32, dtype=torch.float64)
+    with torch.no_grad():
+        want = ref(x)
+        linear_calls.clear()
+        got = attn(x)
+    assert linear_calls == [("packed", torch.Size([64, 32])), attn.o_proj.weight]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert "forward" not in attn.q_proj.__dict__ and "forward" not in attn.v_proj.__dict__  # served once, removed
+    assert not any(p.grad is not None for p in attn.parameters())
+
+
+def test_autograd_autocast_and_pack_false_run_the_projections_as_they_are(linear_calls):
+    torch.manual_seed(0)
+    ref = Attention(dtype=torch.float32)
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    x = randn(3, 32, dtype=torch.float32).requires_grad_()
+    linear_calls.clear()
+    attn(x).sum().backward()
+    assert ("packed", torch.Size([64, 32])) not in linear_calls and len(linear_calls) == 4
+    x_ref = x.detach().clone().requires_grad_()
+    ref(x_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for p, q in zip(attn.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    linear_calls.clear()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        attn(x)
+    assert len(linear_calls) == 4
+    assert type(tritonmm.fuse(Attention(), pack=False)) is Attention  # nothing to fuse without packing
+
+
+def test_forwards_that_read_the_input_between_projections_or_project_another_input_are_not_fused():
+    for cls in (InPlace, OtherInput):
+        assert not fusion.fusable(cls()) and type(tritonmm.fuse(cls())) is cls
+
+
+def test_an_input_changed_in_place_by_a_hook_is_projected_again():
+    torch.manual_seed(0)
+    ref = Attention()
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    for m in (ref, attn):
+        m.q_proj.register_forward_hook(lambda m, args, out: args[0].mul_(2))
+    x = randn(4, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x.clone()), ref(x.clone()), rtol=1e-12, atol=1e-12)
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    with torch.inference_mode():  # (inference tensors have no version counter: hooked projections run unfused)
+        torch.testing.assert_close(attn(x.clone()), ref(x.clone()), rtol=1e-12, atol=1e-12)
+
+
+def test_a_projection_called_on_another_input_computes_its_own_and_the_attention_is_not_fused_again(linear_calls):
+    torch.manual_seed(0)
+    ref = Attention()
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    for m in (ref, attn):
+        m.k_proj.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
+    x = randn(4, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), ref(x), rtol=1e-12, atol=1e-12)
+        assert qkv._UNSERVED in attn.__dict__
+        linear_calls.clear()
+        torch.testing.assert_close(attn(x), ref(x), rtol=1e-12, atol=1e-12)
+    assert not any(isinstance(c, tuple) for c in linear_calls)  # not fused again: no wasted GEMM
+    tritonmm.unfuse(attn)
+    assert type(attn) is Attention and qkv._UNSERVED not in attn.__dict__
+
+
+def test_hooks_on_the_projections_still_run():
+    torch.manual_seed(0)
+    ref, attn = Attention(), None
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    seen = []
+    attn.k_proj.register_forward_hook(lambda m, args, out: seen.append(out.clone()))
+    x = randn(4, 32, dtype=torch.float64)
+    with torch.no_grad():
+        got, want = attn(x), ref(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(seen[0], ref.k_proj(x), rtol=1e-12, atol=1e-12)
+    assert qkv._UNSERVED not in attn.__dict__  # served
+
+
+def test_copies_pickles_moves_and_unfuse():
+    torch.manual_seed(0)
+    ref = Attention()
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    x = randn(4, 32, dtype=torch.float64)
+    with torch.no_grad():
+        want = ref(x)
+        attn(x)
+    assert qkv._CACHE in attn.__dict__
+    copies = {"deepcopy": copy.deepcopy(attn), "pickle": pickle.loads(pickle.dumps(attn)),
+              "torch.save": torch.load(_saved(attn), weights_only=False)}
+    for how, other in copies.items():  # (deepcopy and plain pickle give each parameter a storage of its own)
+        assert type(other) is type(attn) and qkv._CACHE not in other.__dict__
+        assert is_packed(other) == (how == "torch.save")
+        with torch.no_grad():
+            torch.testing.assert_close(other(x), want, rtol=1e-12, atol=1e-12)
+    attn.float()  # moved: the packed views go, the weights have their own storages
+    assert qkv._CACHE not in attn.__dict__ and not is_packed(attn)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x.float()), want.float(), rtol=1e-5, atol=1e-5)
+    tritonmm.fuse(attn)  # packs again
+    assert is_packed(attn)
+    sd = {k: v.clone() for k, v in attn.state_dict().items()}
+    tritonmm.unfuse(attn)
+    assert type(attn) is Attention and not is_packed(attn)
+    assert all(torch.equal(attn.state_dict()[k], v) for k, v in sd.items())
+
+
+def _saved(module):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_fusable_and_the_filter():
+    class NoProjections(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            return x
+
+    assert fusion.fusable(Attention()) and not fusion.fusable(NoProjections())
+    mixed = Attention()
+    mixed.k_proj = nn.Linear(16, 16, dtype=torch.float64)  # another in_features
+    assert not fusion.fusable(mixed)
+    model = nn.ModuleDict({"a": Attention(), "b": Attention()})
+    asked = []
+    tritonmm.fuse(model, filter_fn=lambda m, name: asked.append(name) or name == "a")
+    assert asked == ["a", "b"] and type(model["a"]) is not Attention and type(model["b"]) is Attention
+
+
+def test_compiled_fused_attention_matches_fullgraph():
+    torch.manual_seed(0)
+    ref = Attention(dtype=torch.float32)
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    x = randn(4, 32)
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), ref(x))
+
+
+def test_transformers_llama_decode_matches_unfused(linear_calls):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).double().eval()
+    model = tritonmm.fuse(copy.deepcopy(ref))
+    assert all(is_packed(layer.self_attn) for layer in model.model.layers)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        linear_calls.clear()
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        want = ref.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert sum(isinstance(c, tuple) for c in linear_calls) == 2 * 4  # one q/k/v GEMM per layer and forward
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
