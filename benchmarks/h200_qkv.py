@@ -1,7 +1,7 @@
 """q, k and v as three GEMMs against one GEMM on the packed weights (triton.testing.do_bench, L2 flushed,
 host launch gaps included), and the Llama-3-8B-sized model's prefill with a fused attention's one GEMM on
 and off (MLPs fused in both), alternated as the model benchmark alternates, with a CUDA kernel profile
-of one forward each: python3 benchmarks/h200_qkv.py (writes $OUT/h200_qkv.json)."""
+of one forward each (printed): python3 benchmarks/h200_qkv.py (writes $OUT/h200_qkv.json, default /tmp/out)."""
 import contextlib
 import json
 import os
@@ -44,4 +44,8 @@ for B, S in ((1, 512), (1, 1024), (2, 512)):
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         no(); m(ids, use_cache=False); torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8), flush=True)
-json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "h200_qkv.json"), "w"), indent=1)
+about = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+         "dtype": "bfloat16"}  # (the committed file adds the keys' legend)
+out = os.environ.get("OUT", "/tmp/out")
+os.makedirs(out, exist_ok=True)
+json.dump({"about": about, "rows": res}, open(os.path.join(out, "h200_qkv.json"), "w"), indent=1)

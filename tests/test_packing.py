@@ -316,3 +316,16 @@ def test_bound_replay_of_packed_calls_matches_float64_and_falls_back(lead, monke
     with torch.no_grad(), pytest.warns(Warning):
         for _ in range(2):
             assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
+
+
+def test_replay_of_row_strided_weights_that_start_where_packed_ones_would():
+    """Row-strided weights whose up weight starts N*K elements after the gate weight (no element shared) are
+    not packed: every call, the replays too, matches eager."""
+    N, K, S = 25, 32, 64
+    buf = randn(N * K + N * S)
+    w_gate, w_up = buf.as_strided((N, K), (S, 1), 0), buf.as_strided((N, K), (S, 1), N * K)
+    x = randn(40, K)
+    gated.clear_cache()
+    with torch.no_grad():
+        for _ in range(3):
+            assert_close_to_ref(tritonmm.gated_linear(x, w_gate, w_up), x, w_gate, w_up)

@@ -240,3 +240,141 @@ def test_transformers_llama_decode_matches_unfused(linear_calls):
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.logits, want.logits):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+class InCall(Attention):
+    """Changes the input inside a projection's argument: not the pattern fuse serves."""
+
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states.mul_(2))
+        return self.o_proj(q * torch.cat([k, self.v_proj(hidden_states)], -1))
+
+
+class Before(Attention):
+    """Changes the input in place before the first projection: the GEMM reads it as it is then."""
+
+    def forward(self, hidden_states):
+        hidden_states.mul_(2)
+        query = self.q_proj(hidden_states)
+        key = self.k_proj(hidden_states)
+        value = self.v_proj(hidden_states)
+        return self.o_proj(query * torch.cat([key, value], -1))
+
+
+class ScaledQuery(Attention):
+    """Scales the query in place by a trainable parameter."""
+
+    def __init__(self):
+        super().__init__(dtype=torch.float32)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, hidden_states):
+        query = self.q_proj(hidden_states)
+        key = self.k_proj(hidden_states)
+        value = self.v_proj(hidden_states)
+        query *= self.scale
+        return self.o_proj(query * torch.cat([key, value], -1))
+
+
+class Triple(Attention):
+    """Returns the three projections."""
+
+    def forward(self, hidden_states):
+        query = self.q_proj(hidden_states)
+        key = self.k_proj(hidden_states)
+        value = self.v_proj(hidden_states)
+        return query, key, value
+
+
+def test_parameters_replaced_or_changed_after_a_call_are_read_as_they_are_now(linear_calls):
+    torch.manual_seed(0)
+    ref = Triple(bias=True)
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    x = randn(4, 32, dtype=torch.float64)
+
+    def same(fused_gemm: bool):
+        linear_calls.clear()
+        for got, want in zip(attn(x), ref(x)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert any(isinstance(c, tuple) for c in linear_calls) == fused_gemm
+
+    with torch.no_grad():
+        same(True)
+        hooks = [m.k_proj.register_forward_pre_hook(lambda m, args: (m.weight.clamp_(-0.01, 0.01), None)[1])
+                 for m in (ref, attn)]  # changes the k weight in place after the GEMM read it (weight clipping)
+        same(True)
+        for h in hooks:
+            h.remove()
+        for m in (ref, attn):  # a narrower v weight and bias at the same addresses
+            m.v_proj.weight.data = m.v_proj.weight.data[:8]
+            m.v_proj.bias.data = m.v_proj.bias.data[:8]
+        same(True)
+        for m in (ref, attn):  # a new k bias through .data: no longer packed
+            m.k_proj.bias.data = torch.full((16,), 100.0, dtype=torch.float64)
+        same(False)
+
+
+def test_inputs_changed_in_place_before_or_inside_the_projection_calls():
+    torch.manual_seed(0)
+    assert not fusion.fusable(InCall())
+    ref = Before()
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    assert type(attn) is not Before
+    x = randn(4, 32, dtype=torch.float64)
+    with torch.inference_mode():  # (no version counter: the GEMM runs at the first projection call)
+        torch.testing.assert_close(attn(x.clone()), ref(x.clone()), rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x.clone()), ref(x.clone()), rtol=1e-12, atol=1e-12)
+    assert qkv._UNSERVED not in attn.__dict__
+
+
+def test_grad_mode_with_frozen_projections_trains_as_unfused():
+    torch.manual_seed(0)
+    ref = ScaledQuery()
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    for m in (ref, attn):
+        for proj in (m.q_proj, m.k_proj, m.v_proj):
+            proj.requires_grad_(False)
+    x = randn(4, 32)
+    attn(x).sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(attn.scale.grad, ref.scale.grad)
+
+
+def test_an_exception_or_a_class_patch_does_not_stop_or_stale_the_fusion(linear_calls, monkeypatch):
+    torch.manual_seed(0)
+    attn = tritonmm.fuse(Attention())
+    x = randn(4, 32, dtype=torch.float64)
+    with torch.no_grad():
+        with pytest.raises(TypeError):
+            attn(x, scale=None)  # raises inside the forward, after the projections
+        assert qkv._UNSERVED not in attn.__dict__ and "forward" not in attn.k_proj.__dict__
+        linear_calls.clear()
+        attn(x)
+        assert ("packed", torch.Size([64, 32])) in linear_calls
+        monkeypatch.setattr(Attention, "forward", lambda self, hidden_states: hidden_states * 42)
+        torch.testing.assert_close(attn(x), x * 42)
+
+
+def test_calls_that_run_unfused_drop_the_packed_views():
+    attn = tritonmm.fuse(Attention())
+    x = randn(4, 32, dtype=torch.float64)
+    with torch.no_grad():
+        attn(x)
+    assert qkv._CACHE in attn.__dict__
+    attn(x)  # grad mode: unfused
+    assert qkv._CACHE not in attn.__dict__
+
+
+def test_calls_above_max_flops_run_three_gemms(linear_calls, monkeypatch):
+    attn = tritonmm.fuse(Attention())
+    x = randn(4, 32, dtype=torch.float64)
+    monkeypatch.setattr(qkv, "MAX_FLOPS", 2 * x.numel() * 64 - 1)
+    with torch.no_grad():
+        attn(x)
+        assert len(linear_calls) == 4 and not any(isinstance(c, tuple) for c in linear_calls)
+        monkeypatch.setattr(qkv, "MAX_FLOPS", 2 * x.numel() * 64)
+        linear_calls.clear()
+        attn(x)
+    assert linear_calls[0] == ("packed", torch.Size([64, 32])) and len(linear_calls) == 2

@@ -131,7 +131,9 @@ def _linear_activation_pairs(module: nn.Module) -> bool:
 
 
 def fusable(module: nn.Module) -> bool:
-    """Whether :func:`fuse` would fuse ``module`` (see the module docstring)."""
+    """Whether ``module`` has a pattern :func:`fuse` fuses (see the module docstring). An attention is fused
+    only where ``fuse`` can pack its q, k and v weights (``pack=True``, weights :func:`tritonmm.qkv.pack`
+    takes)."""
     if "_tritonmm_fused_base" in type(module).__dict__:
         return False
     return _gated_mlp(module) or _linear_activation_pairs(module) or qkv.fusable(module)

@@ -346,7 +346,8 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
     """Bind the geometry's launcher (built by the call just served) into a replay of that call."""
     N, K = wg.shape
     lead, M = x.shape[:-1], x.numel() // K if K else 0
-    if M > GATED_MAX_M and bg is None and bu is None:  # one GEMM where packed, one bound product launch
+    if M > GATED_MAX_M and bg is None and bu is None and wg.is_contiguous() and wu.is_contiguous():
+        # (the key fixes the weights' strides) one GEMM where packed, one bound product launch
         run = gated_cublas.replay(x, wg, activation)
     elif M > GATED_MAX_M:
         def run(x, wg, wu, bg, bu):  # cuBLAS projections, one-pass product

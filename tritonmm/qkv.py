@@ -5,17 +5,21 @@ weight read instead of three, where decode and short prefill are paced by launch
 
 An attention module qualifies (:func:`fusable`) when its children ``q_proj``, ``k_proj`` and ``v_proj``
 are nn.Linear modules running nn.Linear's forward (or tritonmm's) with one ``in_features``, and its
-forward names all three and takes the hidden states as its first argument, as transformers' Llama,
-Mistral, Qwen2 and Qwen3 attentions do. The attention's own forward still runs, and so does each
-projection's ``__call__`` (with its hooks): for the duration of one forward, each projection serves the
-GEMM's slice when it is called with the very input the GEMM read (the same tensor object, not changed
-in place since), and computes its own output otherwise. Calls where autograd records (a gradient is
-needed), autocast is on, under torch.compile, tracing, a torch function or dispatch mode or a functorch
-transform, on a tensor subclass, where a projection's ``forward`` is set on the instance (accelerate's
-hooks) or its weights are not packed, run the three projections as they are. An attention whose forward
-once called a projection on another input is not fused again (its forward computes something else first).
+forward calls each of them on its first argument alone and reads that argument nowhere from the first of
+those calls to the last, as transformers' Llama, Mistral, Qwen2 and Qwen3 attentions do. The attention's
+own forward still runs (its class's current one), and so does each projection's ``__call__`` with its
+hooks: for the duration of one forward, the first projection called with the forward's input runs the
+one GEMM on that input as it is then, and each projection called with that same tensor object, not
+changed in place since and with its own weight and bias unchanged since, returns its slice of the GEMM's
+output: a column slice of one tensor, as ``torch.split`` returns (so a ``.view`` that merges rows with
+columns needs ``.reshape``). Any other call computes its own output, and so do calls above
+:data:`MAX_FLOPS`. Calls with gradients recorded,
+autocast on, under torch.compile, tracing, a torch function or dispatch mode or a functorch transform, on
+a tensor subclass, where a projection's ``forward`` is set on the instance (accelerate's hooks) or its
+weights are not packed, run the three projections as they are; so do calls on inference tensors (which
+have no version counter) where a projection has hooks. An attention whose forward once completed with a
+projection called on another input is not fused again (its forward computes something else first).
 """
-
 from __future__ import annotations
 
 import dis
@@ -37,9 +41,15 @@ _grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 _is_compiling = torch.compiler.is_compiling
 _PLAIN = modes.PLAIN
+_MISSING = object()
+MAX_FLOPS = 2**37
+"""Calls above this many FLOP run the three GEMMs: at Llama-3-8B's q/k/v sizes the one GEMM measured 0.97x of
+the three at 4096 rows (2.1e11 FLOP) and 1.04x at 2048 (1.0e11), 1.3x to 3.4x below
+(``benchmarks/h200_qkv.json``)."""
 
 
 _LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW")
+_CALLS = ("PRECALL", "CALL", "CALL_FUNCTION", "CALL_METHOD")
 
 
 def _names(ins) -> tuple:
@@ -59,8 +69,9 @@ def input_name(forward) -> Optional[str]:
     called, first, last = set(), None, None
     for j, i in enumerate(ins[:-1]):
         if i.opname in ("LOAD_ATTR", "LOAD_METHOD") and i.argval in NAMES:
-            if ins[j + 1].opname not in _LOADS or ins[j + 1].argval != name:
-                return None  # a projection called on something else, or read as an attribute
+            if ins[j + 1].opname not in _LOADS or ins[j + 1].argval != name or j + 2 >= len(ins) \
+                    or ins[j + 2].opname not in _CALLS:
+                return None  # a projection called on something else or more, or read as an attribute
             called.add(i.argval)
             first, last = (j if first is None else first), j + 1
     if called != set(NAMES):
@@ -105,44 +116,26 @@ def unpack(module) -> bool:
     return projs is not None and packing.unpack(*projs)
 
 
-class _Server:
-    """A projection's instance ``forward`` for one attention forward: the GEMM's slice ``out``, once, for the
-    call on ``x`` unchanged since the GEMM read it; the module's class forward for every other call."""
-
-    __slots__ = ("module", "x", "version", "out")
-
-    def __init__(self, module, x, version, out):
-        self.module, self.x, self.version, self.out = module, x, version, out
-
-    def __call__(self, input, *args, **kwargs):
-        out = self.out
-        if out is not None and input is self.x and not args and not kwargs \
-                and (self.version is None or input._version == self.version):
-            self.out = None
-            return out
-        return type(self.module).forward(self.module, input, *args, **kwargs)
-
-
-_CACHE = "_tritonmm_qkv_packed"  # a fused attention's (weights and biases, their data pointers, [Wq; Wk; Wv], [bq; bk; bv])
+_CACHE = "_tritonmm_qkv_packed"  # a fused attention's packed views and what they were made from
 
 
 def _packed(self, q, k, v):
-    """``[Wq; Wk; Wv]``, ``[bq; bk; bv]`` (or None: no biases) as views and the three output sizes, or None
-    where the parameters are not packed: kept on the module between calls, for as long as the same parameters sit at the same
-    addresses (moving the module drops it: :func:`drop`)."""
+    """``[Wq; Wk; Wv]``, ``[bq; bk; bv]`` (or None: no biases) as views, the three output sizes and the six
+    parameters, or None where the parameters are not packed: kept on the module between calls for as long
+    as the same parameters sit at the same addresses with the same shapes (dropped by any call that runs
+    unfused, by moving the module and by ``unfuse``)."""
     pq, pk, pv = q._parameters, k._parameters, v._parameters
-    wq, wk, wv = pq.get("weight"), pk.get("weight"), pv.get("weight")
-    bq, bk, bv = pq.get("bias"), pk.get("bias"), pv.get("bias")
+    params = (pq.get("weight"), pk.get("weight"), pv.get("weight"), pq.get("bias"), pk.get("bias"), pv.get("bias"))
     c = self.__dict__.get(_CACHE)
-    if c is not None and c[0] is wq and c[1] is wk and c[2] is wv and c[3] is bq and c[4] is bk and c[5] is bv:
+    if c is not None and all(a is b for a, b in zip(c[0], params)):
         try:
-            if wq.data_ptr() == c[6] and wk.data_ptr() == c[7] and wv.data_ptr() == c[8] \
-                    and (bq is None or bq.data_ptr() == c[9]):
-                return c[10], c[11], c[12]
+            if all(p is None or p.data_ptr() == ptr and p.shape == shape for p, ptr, shape in zip(params, c[1], c[2])):
+                return c[3]
         except RuntimeError:  # no storage
             return None
     self.__dict__.pop(_CACHE, None)
-    if wq is None or wk is None or wv is None or not all(type(t) in _PLAIN for t in (wq, wk, wv)):
+    wq, wk, wv, bq, bk, bv = params
+    if wq is None or wk is None or wv is None or not all(type(t) in _PLAIN for t in params if t is not None):
         return None
     w = packing.stacked((wq, wk, wv))
     if w is None:
@@ -150,13 +143,13 @@ def _packed(self, q, k, v):
     if bq is None and bk is None and bv is None:
         b = None
     else:
-        b = packing.stacked((bq, bk, bv)) if all(t is not None and type(t) in _PLAIN for t in (bq, bk, bv)) else None
+        b = packing.stacked((bq, bk, bv)) if all(t is not None for t in (bq, bk, bv)) else None
         if b is None:
             return None
-    sizes = [wq.shape[0], wk.shape[0], wv.shape[0]]
-    self.__dict__[_CACHE] = (wq, wk, wv, bq, bk, bv, wq.data_ptr(), wk.data_ptr(), wv.data_ptr(),
-                             bq.data_ptr() if bq is not None else None, w, b, sizes)
-    return w, b, sizes
+    packed = (w, b, [wq.shape[0], wk.shape[0], wv.shape[0]], params)
+    self.__dict__[_CACHE] = (params, tuple(p.data_ptr() if p is not None else 0 for p in params),
+                             tuple(p.shape if p is not None else None for p in params), packed)
+    return packed
 
 
 def drop(module) -> None:
@@ -165,69 +158,124 @@ def drop(module) -> None:
     module.__dict__.pop(_UNSERVED, None)
 
 
+class _Shared:
+    """One attention forward's GEMM: run by the first projection called with ``x`` (lazily, so it reads ``x``
+    as it is then), its outputs and the versions of what it read."""
+
+    __slots__ = ("x", "w", "b", "sizes", "params", "outs", "version", "versions")
+
+    def __init__(self, x, packed):
+        self.x = x
+        self.w, self.b, self.sizes, self.params = packed
+        self.outs = self.version = self.versions = None
+
+    def run(self) -> bool:
+        x = self.x
+        try:
+            self.outs = _F_linear(x, self.w, self.b).split_with_sizes(self.sizes, -1)
+        except RuntimeError:  # (dtypes, devices or sizes differ) each projection raises torch's own error
+            self.outs = ()
+            return False
+        try:
+            self.version = None if x.is_inference() else x._version  # (inference tensors: no version counter)
+            self.versions = tuple(p._version if p is not None else 0 for p in self.params)
+        except RuntimeError:  # (an inference-tensor parameter: no version to check) each computes its own
+            self.outs = ()
+            return False
+        return True
+
+
+class _Server:
+    """A projection's instance ``forward`` for one attention forward: its slice of the shared GEMM, once,
+    for a call on the forward's input unchanged since the GEMM read it, with its own weight and bias
+    unchanged; the module's class forward for every other call."""
+
+    __slots__ = ("module", "shared", "index", "served")
+
+    def __init__(self, module, shared, index):
+        self.module, self.shared, self.index, self.served = module, shared, index, None
+
+    def __call__(self, input, *args, **kwargs):
+        sh = self.shared
+        if self.served is None and input is sh.x and not args and not kwargs:
+            self.served = False  # called with the forward's input (served or, where anything changed, not)
+            if sh.outs is None:
+                sh.run()
+            i = self.index
+            if sh.outs and (sh.version is None or input._version == sh.version):
+                w, b = sh.params[i], sh.params[i + 3]
+                if w._version == sh.versions[i] and (b is None or b._version == sh.versions[i + 3]):
+                    self.served = True
+                    return sh.outs[i]
+        return type(self.module).forward(self.module, input, *args, **kwargs)
+
+
 def _serve(self, x):
-    """Run q, k and v as one GEMM on ``x`` and set each projection's instance forward to serve its slice
-    (:class:`_Server`); returns the servers, or None where the call runs unfused."""
-    if type(x) not in _PLAIN or _UNSERVED in self.__dict__ or _any_autocast():
+    """Set each projection's instance forward to a :class:`_Server` of one shared GEMM on ``x``; returns the
+    servers, or None where the call runs unfused."""
+    if type(x) not in _PLAIN or _grad_enabled() or _any_autocast() or _UNSERVED in self.__dict__:
+        self.__dict__.pop(_CACHE, None)  # (no views kept for calls that do not use them)
         return None
     mods = self._modules
     q, k, v = mods.get("q_proj"), mods.get("k_proj"), mods.get("v_proj")
     if not (linear_type(q) and linear_type(k) and linear_type(v)):
         return None
-    if _grad_enabled() and (x.requires_grad or any(p.requires_grad for m in (q, k, v) for p in m._parameters.values()
-                                                   if p is not None)):
-        return None  # (autograd records: the projections run as they are)
     dq, dk, dv = q.__dict__, k.__dict__, v.__dict__
-    if "forward" in dq or "forward" in dk or "forward" in dv or not modes.eager() or modes.torch_only(x):
+    if "forward" in dq or "forward" in dk or "forward" in dv or not modes.eager() or modes.torch_only(x) \
+            or x.is_inference() and any_hooked(q, k, v):  # (inference tensors: only hooks could change x)
         return None
     packed = _packed(self, q, k, v)
-    if packed is None:
+    if packed is None or 2 * x.numel() * packed[0].shape[0] > MAX_FLOPS:
         return None
-    if x.is_inference():  # (no version counter: only a hook could change the input in between, see input_name)
-        if any_hooked(q, k, v):
-            return None
-        version = None
-    else:
-        version = x._version
-    w, b, sizes = packed
-    try:
-        outs = _F_linear(x, w, b).split_with_sizes(sizes, -1)
-    except RuntimeError:  # (dtypes, devices or sizes differ) the projections raise torch's own error
-        return None
-    servers = _Server(q, x, version, outs[0]), _Server(k, x, version, outs[1]), _Server(v, x, version, outs[2])
+    shared = _Shared(x, packed)
+    servers = _Server(q, shared, 0), _Server(k, shared, 1), _Server(v, shared, 2)
     dq["forward"], dk["forward"], dv["forward"] = servers
     return servers
 
 
-def _unserve(self, servers) -> None:
+def _unserve(self, servers, completed: bool) -> None:
+    """Remove the servers; after a forward that completed with a projection not called on its input while its
+    server was in place (called on another input, or not at all), mark the attention so that it is not fused
+    again."""
     unserved = False
     for s in servers:
         d = s.module.__dict__
         if d.get("forward") is s:
             del d["forward"]
-        unserved = unserved or s.out is not None
-    if unserved:  # its forward read another input: the GEMM was wasted, so it is not fused again
+            unserved = unserved or s.served is None
+    if unserved and completed:
         self.__dict__[_UNSERVED] = True
 
 
-def fused_forward(base: type):
-    """The forward of ``base``'s fused class: ``base.forward`` with the projections served by one GEMM."""
-    forward = base.forward
-    name = input_name(forward)
+_input_names: dict = {}  # an attention forward -> the name of its input (None: not fused)
 
-    @functools.wraps(forward)
+
+def fused_forward(base: type):
+    """The forward of ``base``'s fused class: ``base``'s current forward, with the projections served by one
+    GEMM where that forward qualifies (:func:`input_name`)."""
+
     def fused(self, *args, **kwargs):
+        forward = base.forward
         served = None
         if not _is_compiling():
-            x = args[0] if args else kwargs.get(name)
-            served = _serve(self, x)
+            name = _input_names.get(forward, _MISSING)
+            if name is _MISSING:
+                if len(_input_names) >= 1024:
+                    _input_names.clear()
+                name = _input_names[forward] = input_name(forward)
+            if name is not None:
+                served = _serve(self, args[0] if args else kwargs.get(name))
         if served is None:
             return forward(self, *args, **kwargs)
+        completed = False
         try:
-            return forward(self, *args, **kwargs)
+            out = forward(self, *args, **kwargs)
+            completed = True
+            return out
         finally:
-            _unserve(self, served)
+            _unserve(self, served, completed)
 
+    functools.update_wrapper(fused, base.forward)
     fused._tritonmm_qkv = True
     return fused
 
