@@ -378,3 +378,101 @@ def test_calls_above_max_flops_run_three_gemms(linear_calls, monkeypatch):
         linear_calls.clear()
         attn(x)
     assert linear_calls[0] == ("packed", torch.Size([64, 32])) and len(linear_calls) == 2
+
+
+class Rebinds(Triple):
+    """Replaces the v weight with a new Parameter inside its forward, before the projections."""
+
+    def forward(self, hidden_states):
+        self._swap_v()
+        query = self.q_proj(hidden_states)
+        key = self.k_proj(hidden_states)
+        value = self.v_proj(hidden_states)
+        return query, key, value
+
+    def _swap_v(self):
+        self.v_proj.weight = nn.Parameter(self.v_proj.weight.detach() * 3)
+
+
+class GradInside(Attention):
+    """Turns gradients on inside its forward."""
+
+    @torch.enable_grad()
+    def forward(self, hidden_states):
+        query = self.q_proj(hidden_states)
+        key = self.k_proj(hidden_states)
+        value = self.v_proj(hidden_states)
+        return self.o_proj(query * torch.cat([key, value], -1))
+
+
+def test_parameters_replaced_during_the_forward_and_grad_turned_on_inside_it():
+    torch.manual_seed(0)
+    x = randn(4, 32, dtype=torch.float64)
+    ref = Triple()
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    for m in (ref, attn):  # a pre-hook that binds a new k weight
+        m.k_proj.register_forward_pre_hook(
+            lambda m, args: setattr(m, "weight", nn.Parameter(m.weight.detach() + 1)))
+    with torch.no_grad():
+        for got, want in zip(attn(x), ref(x)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    ref = Rebinds()
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    assert type(attn) is not Rebinds
+    with torch.no_grad():
+        for got, want in zip(attn(x), ref(x)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    ref = GradInside()
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    with torch.no_grad():
+        out = attn(x)
+    assert out.requires_grad
+    out.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(attn.q_proj.weight.grad, ref.q_proj.weight.grad)
+
+
+def test_inference_tensors_run_unfused_and_a_transposed_weight_is_read_as_it_is(linear_calls):
+    torch.manual_seed(0)
+    ref = Triple()
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    x = randn(4, 32, dtype=torch.float64)
+    with torch.inference_mode():
+        linear_calls.clear()
+        attn(x.clone())
+        assert len(linear_calls) == 3 and not any(isinstance(c, tuple) for c in linear_calls)
+    with torch.no_grad():
+        attn(x)
+        for m in (ref, attn):  # the same address and shape, other strides
+            m.q_proj.weight.data = m.q_proj.weight.data.t()
+        for got, want in zip(attn(x), ref(x)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_threads_sharing_one_input():
+    import threading
+
+    torch.manual_seed(0)
+    ref = Triple()
+    attn = tritonmm.fuse(copy.deepcopy(ref))
+    x = randn(4, 32, dtype=torch.float64)
+    with torch.no_grad():
+        want = ref(x)
+    errors = []
+
+    def work():
+        try:
+            with torch.no_grad():
+                for _ in range(150):
+                    for got, w in zip(attn(x), want):
+                        torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert not any("forward" in m.__dict__ for m in (attn.q_proj, attn.k_proj, attn.v_proj))

@@ -1,25 +1,27 @@
-"""Attention input projections as one GEMM: q, k and v read the same input, so in inference a fused
-attention module runs them as x @ [Wq; Wk; Wv]^T, one cuBLAS GEMM on weights :func:`tritonmm.fuse` packed
-into one allocation (:mod:`tritonmm.packing`, biases too where all three have one): one launch and one
-weight read instead of three, where decode and short prefill are paced by launches.
+"""Attention input projections as one GEMM: q, k and v read the same input, so in inference a fused attention
+module runs them as x @ [Wq; Wk; Wv]^T, one cuBLAS GEMM on weights :func:`tritonmm.fuse` packed into one
+allocation (:mod:`tritonmm.packing`, biases too where all three have one): one launch and one weight read
+instead of three, where decode and short prefill are paced by launches.
 
-An attention module qualifies (:func:`fusable`) when its children ``q_proj``, ``k_proj`` and ``v_proj``
-are nn.Linear modules running nn.Linear's forward (or tritonmm's) with one ``in_features``, and its
-forward calls each of them on its first argument alone and reads that argument nowhere from the first of
-those calls to the last, as transformers' Llama, Mistral, Qwen2 and Qwen3 attentions do. The attention's
-own forward still runs (its class's current one), and so does each projection's ``__call__`` with its
-hooks: for the duration of one forward, the first projection called with the forward's input runs the
-one GEMM on that input as it is then, and each projection called with that same tensor object, not
-changed in place since and with its own weight and bias unchanged since, returns its slice of the GEMM's
-output: a column slice of one tensor, as ``torch.split`` returns (so a ``.view`` that merges rows with
-columns needs ``.reshape``). Any other call computes its own output, and so do calls above
-:data:`MAX_FLOPS`. Calls with gradients recorded,
-autocast on, under torch.compile, tracing, a torch function or dispatch mode or a functorch transform, on
-a tensor subclass, where a projection's ``forward`` is set on the instance (accelerate's hooks) or its
-weights are not packed, run the three projections as they are; so do calls on inference tensors (which
-have no version counter) where a projection has hooks. An attention whose forward once completed with a
-projection called on another input is not fused again (its forward computes something else first).
+An attention module qualifies (:func:`fusable`) when its children ``q_proj``, ``k_proj`` and ``v_proj`` are
+nn.Linear modules running nn.Linear's forward (or tritonmm's) with one ``in_features``, and its forward
+calls each of them on its first argument alone and reads that argument nowhere from the first of those calls
+to the last, as transformers' Llama, Mistral, Qwen2 and Qwen3 attentions do. The attention's own forward
+still runs (its class's current one), and so does each projection's ``__call__`` with its hooks: for the
+duration of one forward, the first projection called with the forward's input runs the one GEMM on that
+input as it is then, and each projection called with that same tensor object, not changed in place since and
+with its own weight and bias unchanged since, returns its slice of the GEMM's output: a column slice of one
+tensor, as ``torch.split`` returns (so a ``.view`` that merges rows with columns needs ``.reshape``).
+Gradients are not recorded then, and the projection's parameters are still the ones the GEMM read. Any other
+call computes its own output, and so do calls above :data:`MAX_FLOPS`. Calls with gradients recorded,
+autocast on, under torch.compile, tracing, a torch function or dispatch mode or a functorch transform, on a
+tensor subclass, where a projection's ``forward`` is set on the instance (accelerate's hooks) or its weights
+are not packed, run the three projections as they are; so do calls on inference tensors (under
+``torch.inference_mode()``: they have no version counter to check the input against). An attention whose
+forward once completed with a projection called on another input is not fused again (its forward computes
+something else first).
 """
+
 from __future__ import annotations
 
 import dis
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 from . import modes, packing
 from ._env import interpreting
-from .plain_modules import any_hooked, linear_type, plain_linear
+from .plain_modules import linear_type, plain_linear
 
 NAMES = ("q_proj", "k_proj", "v_proj")
 _UNSERVED = "_tritonmm_qkv_unserved"  # set on a fused attention whose forward read another input
@@ -129,7 +131,8 @@ def _packed(self, q, k, v):
     c = self.__dict__.get(_CACHE)
     if c is not None and all(a is b for a, b in zip(c[0], params)):
         try:
-            if all(p is None or p.data_ptr() == ptr and p.shape == shape for p, ptr, shape in zip(params, c[1], c[2])):
+            if all(p is None or p.data_ptr() == ptr and p.shape == shape and p.is_contiguous()
+                   for p, ptr, shape in zip(params, c[1], c[2])):
                 return c[3]
         except RuntimeError:  # no storage
             return None
@@ -169,20 +172,19 @@ class _Shared:
         self.w, self.b, self.sizes, self.params = packed
         self.outs = self.version = self.versions = None
 
-    def run(self) -> bool:
+    def run(self) -> None:
+        """The GEMM; ``outs`` is set last (another thread may read the attributes as soon as it is set), to
+        () where each projection computes its own."""
         x = self.x
         try:
-            self.outs = _F_linear(x, self.w, self.b).split_with_sizes(self.sizes, -1)
-        except RuntimeError:  # (dtypes, devices or sizes differ) each projection raises torch's own error
-            self.outs = ()
-            return False
-        try:
-            self.version = None if x.is_inference() else x._version  # (inference tensors: no version counter)
-            self.versions = tuple(p._version if p is not None else 0 for p in self.params)
-        except RuntimeError:  # (an inference-tensor parameter: no version to check) each computes its own
-            self.outs = ()
-            return False
-        return True
+            versions = tuple(p._version if p is not None else 0 for p in self.params)
+            version = x._version
+            outs = _F_linear(x, self.w, self.b).split_with_sizes(self.sizes, -1)
+        except RuntimeError:  # dtypes, devices or sizes differ (each projection raises torch's own error), or an
+            outs = ()  # inference-tensor parameter (no version counter)
+        else:
+            self.version, self.versions = version, versions
+        self.outs = outs
 
 
 class _Server:
@@ -199,14 +201,17 @@ class _Server:
         sh = self.shared
         if self.served is None and input is sh.x and not args and not kwargs:
             self.served = False  # called with the forward's input (served or, where anything changed, not)
-            if sh.outs is None:
-                sh.run()
-            i = self.index
-            if sh.outs and (sh.version is None or input._version == sh.version):
-                w, b = sh.params[i], sh.params[i + 3]
-                if w._version == sh.versions[i] and (b is None or b._version == sh.versions[i + 3]):
-                    self.served = True
-                    return sh.outs[i]
+            if not _grad_enabled():  # (grad mode may have been turned on inside the forward)
+                if sh.outs is None:
+                    sh.run()
+                outs, i = sh.outs, self.index
+                if outs and input._version == sh.version:
+                    w, b = sh.params[i], sh.params[i + 3]
+                    p = self.module._parameters
+                    if p.get("weight") is w and p.get("bias") is b and w._version == sh.versions[i] \
+                            and (b is None or b._version == sh.versions[i + 3]):
+                        self.served = True
+                        return outs[i]
         return type(self.module).forward(self.module, input, *args, **kwargs)
 
 
@@ -221,8 +226,8 @@ def _serve(self, x):
     if not (linear_type(q) and linear_type(k) and linear_type(v)):
         return None
     dq, dk, dv = q.__dict__, k.__dict__, v.__dict__
-    if "forward" in dq or "forward" in dk or "forward" in dv or not modes.eager() or modes.torch_only(x) \
-            or x.is_inference() and any_hooked(q, k, v):  # (inference tensors: only hooks could change x)
+    if "forward" in dq or "forward" in dk or "forward" in dv or x.is_inference() or not modes.eager() \
+            or modes.torch_only(x):  # (inference tensors have no version counter to check x against)
         return None
     packed = _packed(self, q, k, v)
     if packed is None or 2 * x.numel() * packed[0].shape[0] > MAX_FLOPS:
