@@ -53,6 +53,13 @@ class OtherInput(Attention):
         return self.o_proj(self.q_proj(h) * torch.cat([self.k_proj(h), self.v_proj(h)], -1))
 
 
+def fused_copy(cls, **kwargs):
+    """``cls(**kwargs)``, built after seeding 0, and a fused deep copy of it."""
+    torch.manual_seed(0)
+    ref = cls(**kwargs)
+    return ref, tritonmm.fuse(copy.deepcopy(ref))
+
+
 def is_packed(attn) -> bool:
     return packing.stacked((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)) is not None
 
@@ -69,9 +76,7 @@ def linear_calls(monkeypatch):
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_fused_attention_runs_one_gemm_in_inference_with_the_same_values(bias, linear_calls):
-    torch.manual_seed(0)
-    ref = Attention(bias=bias)
-    attn = tritonmm.fuse(copy.deepcopy(ref))
+    ref, attn = fused_copy(Attention, bias=bias)
     assert type(attn).__name__ == "TritonFusedAttention" and is_packed(attn)
     if bias:
         assert packing.stacked((attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)) is not None
@@ -87,9 +92,7 @@ def test_fused_attention_runs_one_gemm_in_inference_with_the_same_values(bias, l
 
 
 def test_autograd_autocast_and_pack_false_run_the_projections_as_they_are(linear_calls):
-    torch.manual_seed(0)
-    ref = Attention(dtype=torch.float32)
-    attn = tritonmm.fuse(copy.deepcopy(ref))
+    ref, attn = fused_copy(Attention, dtype=torch.float32)
     x = randn(3, 32, dtype=torch.float32).requires_grad_()
     linear_calls.clear()
     attn(x).sum().backward()
@@ -112,9 +115,7 @@ def test_forwards_that_read_the_input_between_projections_or_project_another_inp
 
 
 def test_an_input_changed_in_place_by_a_hook_is_projected_again():
-    torch.manual_seed(0)
-    ref = Attention()
-    attn = tritonmm.fuse(copy.deepcopy(ref))
+    ref, attn = fused_copy(Attention)
     for m in (ref, attn):
         m.q_proj.register_forward_hook(lambda m, args, out: args[0].mul_(2))
     x = randn(4, 32, dtype=torch.float64)
@@ -126,9 +127,7 @@ def test_an_input_changed_in_place_by_a_hook_is_projected_again():
 
 
 def test_a_projection_called_on_another_input_computes_its_own_and_the_attention_is_not_fused_again(linear_calls):
-    torch.manual_seed(0)
-    ref = Attention()
-    attn = tritonmm.fuse(copy.deepcopy(ref))
+    ref, attn = fused_copy(Attention)
     for m in (ref, attn):
         m.k_proj.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
     x = randn(4, 32, dtype=torch.float64)
@@ -157,9 +156,7 @@ def test_hooks_on_the_projections_still_run():
 
 
 def test_copies_pickles_moves_and_unfuse():
-    torch.manual_seed(0)
-    ref = Attention()
-    attn = tritonmm.fuse(copy.deepcopy(ref))
+    ref, attn = fused_copy(Attention)
     x = randn(4, 32, dtype=torch.float64)
     with torch.no_grad():
         want = ref(x)
@@ -213,9 +210,7 @@ def test_fusable_and_the_filter():
 
 
 def test_compiled_fused_attention_matches_fullgraph():
-    torch.manual_seed(0)
-    ref = Attention(dtype=torch.float32)
-    attn = tritonmm.fuse(copy.deepcopy(ref))
+    ref, attn = fused_copy(Attention, dtype=torch.float32)
     x = randn(4, 32)
     torch._dynamo.reset()
     compiled = torch.compile(attn, fullgraph=True, backend="eager")
@@ -288,9 +283,7 @@ class Triple(Attention):
 
 
 def test_parameters_replaced_or_changed_after_a_call_are_read_as_they_are_now(linear_calls):
-    torch.manual_seed(0)
-    ref = Triple(bias=True)
-    attn = tritonmm.fuse(copy.deepcopy(ref))
+    ref, attn = fused_copy(Triple, bias=True)
     x = randn(4, 32, dtype=torch.float64)
 
     def same(fused_gemm: bool):
@@ -330,9 +323,7 @@ def test_inputs_changed_in_place_before_or_inside_the_projection_calls():
 
 
 def test_grad_mode_with_frozen_projections_trains_as_unfused():
-    torch.manual_seed(0)
-    ref = ScaledQuery()
-    attn = tritonmm.fuse(copy.deepcopy(ref))
+    ref, attn = fused_copy(ScaledQuery)
     for m in (ref, attn):
         for proj in (m.q_proj, m.k_proj, m.v_proj):
             proj.requires_grad_(False)
@@ -433,9 +424,7 @@ def test_parameters_replaced_during_the_forward_and_grad_turned_on_inside_it():
 
 
 def test_inference_tensors_run_unfused_and_a_transposed_weight_is_read_as_it_is(linear_calls):
-    torch.manual_seed(0)
-    ref = Triple()
-    attn = tritonmm.fuse(copy.deepcopy(ref))
+    ref, attn = fused_copy(Triple)
     x = randn(4, 32, dtype=torch.float64)
     with torch.inference_mode():
         linear_calls.clear()
@@ -452,9 +441,7 @@ def test_inference_tensors_run_unfused_and_a_transposed_weight_is_read_as_it_is(
 def test_threads_sharing_one_input():
     import threading
 
-    torch.manual_seed(0)
-    ref = Triple()
-    attn = tritonmm.fuse(copy.deepcopy(ref))
+    ref, attn = fused_copy(Triple)
     x = randn(4, 32, dtype=torch.float64)
     with torch.no_grad():
         want = ref(x)

@@ -118,7 +118,7 @@ def unpack(module) -> bool:
     return projs is not None and packing.unpack(*projs)
 
 
-_CACHE = "_tritonmm_qkv_packed"  # a fused attention's packed views and what they were made from
+_CACHE = "_tritonmm_qkv_packed"  # a fused attention's packed views: (addresses, shapes, what _packed returns)
 
 
 def _packed(self, q, k, v):
@@ -129,11 +129,11 @@ def _packed(self, q, k, v):
     pq, pk, pv = q._parameters, k._parameters, v._parameters
     params = (pq.get("weight"), pk.get("weight"), pv.get("weight"), pq.get("bias"), pk.get("bias"), pv.get("bias"))
     c = self.__dict__.get(_CACHE)
-    if c is not None and all(a is b for a, b in zip(c[0], params)):
+    if c is not None and all(a is b for a, b in zip(c[2][3], params)):
         try:
             if all(p is None or p.data_ptr() == ptr and p.shape == shape and p.is_contiguous()
-                   for p, ptr, shape in zip(params, c[1], c[2])):
-                return c[3]
+                   for p, ptr, shape in zip(params, c[0], c[1])):
+                return c[2]
         except RuntimeError:  # no storage
             return None
     self.__dict__.pop(_CACHE, None)
@@ -150,7 +150,7 @@ def _packed(self, q, k, v):
         if b is None:
             return None
     packed = (w, b, [wq.shape[0], wk.shape[0], wv.shape[0]], params)
-    self.__dict__[_CACHE] = (params, tuple(p.data_ptr() if p is not None else 0 for p in params),
+    self.__dict__[_CACHE] = (tuple(p.data_ptr() if p is not None else 0 for p in params),
                              tuple(p.shape if p is not None else None for p in params), packed)
     return packed
 

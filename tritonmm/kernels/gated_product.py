@@ -113,12 +113,16 @@ def _geometry(tensors, strided) -> tuple:
 def _launcher(fn, tensors, geometry, activation: str) -> DirectLaunch:
     t = tensors[0]
     key = (fn, geometry, t.dtype, t.device, activation, tuple(x.data_ptr() % 16 == 0 for x in tensors))
+    return _bound(key, fn, *geometry[:2], t.dtype, activation)
+
+
+def _bound(key, fn, rows: int, N: int, dtype: torch.dtype, activation: str) -> DirectLaunch:
+    """The launcher kept under ``key``: ``fn`` over rows of N elements, made on first use."""
     launch = _launchers.get(key)
     if launch is None:
         if len(_launchers) >= _LAUNCHERS_MAX:
             _launchers.clear()
-        upcast = interpreting() and t.dtype == torch.bfloat16
-        rows, N = geometry[:2]
+        upcast = interpreting() and dtype == torch.bfloat16
         launch = _launchers[key] = DirectLaunch(fn, (rows * triton.cdiv(N, BLOCK),), dict(
             ACTIVATION=activation, UPCAST=upcast, BLOCK=BLOCK, num_warps=NUM_WARPS))
     return launch
@@ -134,15 +138,8 @@ def gated_product(g: torch.Tensor, u: torch.Tensor, h: torch.Tensor, activation:
 def halves_launcher(rows: int, N: int, dtype: torch.dtype, device: torch.device, activation: str):
     """A bound launch of ``h = act(gu[:, :N]) * gu[:, N:]`` for a contiguous (rows, 2N) ``gu`` and a contiguous
     (rows, N) ``h``, both 16-byte aligned (fresh allocations): call it as ``launch((gu, h, N))``."""
-    key = (_gated_product_halves_kernel, rows, N, dtype, device, activation)
-    launch = _launchers.get(key)
-    if launch is None:
-        if len(_launchers) >= _LAUNCHERS_MAX:
-            _launchers.clear()
-        upcast = interpreting() and dtype == torch.bfloat16
-        launch = _launchers[key] = DirectLaunch(_gated_product_halves_kernel, (rows * triton.cdiv(N, BLOCK),), dict(
-            ACTIVATION=activation, UPCAST=upcast, BLOCK=BLOCK, num_warps=NUM_WARPS))
-    return launch
+    fn = _gated_product_halves_kernel
+    return _bound((fn, rows, N, dtype, device, activation), fn, rows, N, dtype, activation)
 
 
 def gated_product_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,
