@@ -240,8 +240,9 @@ def test_alternate_times_each_sample_warm_with_the_collector_paused_and_an_a_a_c
 
 
 def test_a_place_effect_within_rounds_cancels_in_the_ratio():
-    """Three identical contenders, the first in a round 10% faster and the last 3% slower: each block of
-    rounds times every contender once in every place, so the ratio reads 1.0; a mode 5% faster reads 1.05."""
+    """Three identical contenders, the first in a round 10% faster and the last 3% slower: every contender
+    takes every place equally often and each time is divided by its place's factor, so the ratio reads 1.0;
+    a mode 5% faster reads 1.05."""
     from tritonmm.bench import model
 
     place = [1.0, 1.1, 1.133]
@@ -255,7 +256,7 @@ def test_a_place_effect_within_rounds_cancels_in_the_ratio():
     assert row["swap_ratio"] == pytest.approx(1.05)
     assert row["off_ms"] == pytest.approx(1.1)
     naive = statistics.median(o / c for o, c in zip(times["off"], times["control"]))
-    assert naive != pytest.approx(1.0, abs=0.02)  # a median of per-round ratios would not cancel it
+    assert naive != pytest.approx(1.0, abs=0.02)  # a median of raw per-round ratios would not cancel it
 
 
 def test_per_call_cost_cancels_the_place_in_a_round(monkeypatch):

@@ -64,6 +64,30 @@ def is_packed(attn) -> bool:
     return packing.stacked((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)) is not None
 
 
+@pytest.fixture(autouse=True)
+def serve_eager(monkeypatch):
+    """Serve eager calls, as CUDA-graph capture is served (the CPU has no CUDA graphs)."""
+    monkeypatch.setattr(qkv, "SERVE_EAGER", True)
+
+
+def test_by_default_only_calls_under_cuda_graph_capture_are_served(linear_calls, monkeypatch):
+    ref, attn = fused_copy(Attention)
+    x = randn(2, 5, 32, dtype=torch.float64)
+    monkeypatch.setattr(qkv, "SERVE_EAGER", False)
+    assert not qkv._captured(x)  # a CPU tensor
+    with torch.no_grad():
+        want = ref(x)
+        linear_calls.clear()
+        got = attn(x)
+        assert ("packed", torch.Size([64, 32])) not in linear_calls and len(linear_calls) == 4
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        monkeypatch.setattr(qkv, "_captured", lambda x: True)  # as while a CUDA graph is captured
+        linear_calls.clear()
+        got = attn(x)
+    assert linear_calls == [("packed", torch.Size([64, 32])), attn.o_proj.weight]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.fixture
 def linear_calls(monkeypatch):
     """Weights F.linear is called with: nn.Linear's forward (the unfused projections) and the fused GEMM."""

@@ -19,8 +19,8 @@
   on assigning a module to it (``seq[i] = m``), ``force_backend`` and ``clear_cache``. Modules added
   through ``append``, ``insert`` or ``del`` to a settled Sequential run unfused until one of those.
 * **Attention projections** (Llama, Mistral, Qwen2, Qwen3): where ``q_proj``, ``k_proj`` and ``v_proj``
-  read the attention's hidden states, their packed weights run as one cuBLAS GEMM in inference
-  (:mod:`tritonmm.qkv`); with ``pack=False`` attentions are not fused.
+  read the attention's hidden states, their packed weights run as one cuBLAS GEMM while a CUDA graph of an
+  inference forward is captured (:mod:`tritonmm.qkv`); with ``pack=False`` attentions are not fused.
 
 Like :func:`tritonmm.swap_linear`, ``fuse`` changes the module's class in place to a subclass, so
 parameters, ``state_dict``, hooks, tied weights and ``isinstance`` are untouched. By default it also
@@ -244,8 +244,8 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
          pack: bool = True) -> nn.Module:
     """Fuse, in place, every gated MLP of ``model`` (gate and up as one GEMM), every Linear directly
     followed by a known activation module in an ``nn.Sequential`` (the activation in the GEMM's epilogue)
-    and, with ``pack``, every attention whose q, k and v projections read its hidden states (one GEMM in
-    inference, :mod:`tritonmm.qkv`).
+    and, with ``pack``, every attention whose q, k and v projections read its hidden states (one GEMM
+    while a CUDA graph of an inference forward is captured, :mod:`tritonmm.qkv`).
 
     Args:
         model: any module tree (the root included).

@@ -4,7 +4,7 @@ Where each weight directly follows the one before in memory, the projections can
 x @ [W0; W1; ...]^T: one launch instead of several, one grid of tiles instead of several quantized
 ones. A fused MLP's gate and up projections run that way where they go to cuBLAS
 (:func:`tritonmm.gated_cublas.packed`), and their weights' gradients as one GEMM; a fused attention's
-q, k and v projections run that way in inference (:mod:`tritonmm.qkv`). :func:`pack` arranges it
+q, k and v projections run that way in captured CUDA graphs (:mod:`tritonmm.qkv`). :func:`pack` arranges it
 in place: the parameters stay the same objects with the same values, shapes, dtypes and
 ``requires_grad``; only their storage moves, as with ``param.data = ...``. Nothing is copied twice: the
 old storages are freed when nothing else holds them.

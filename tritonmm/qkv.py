@@ -1,7 +1,8 @@
-"""Attention input projections as one GEMM: q, k and v read the same input, so in inference a fused attention
-module runs them as x @ [Wq; Wk; Wv]^T, one cuBLAS GEMM on weights :func:`tritonmm.fuse` packed into one
-allocation (:mod:`tritonmm.packing`, biases too where all three have one): one launch and one weight read
-instead of three, where decode and short prefill are paced by launches.
+"""Attention input projections as one GEMM: q, k and v read the same input, so while a CUDA graph of an
+inference forward is captured a fused attention module runs them as x @ [Wq; Wk; Wv]^T, one cuBLAS GEMM on
+weights :func:`tritonmm.fuse` packed into one allocation (:mod:`tritonmm.packing`, biases too where all three
+have one): one launch and one weight read instead of three in every replay of the graph. In eager mode the
+three run as they are (:data:`SERVE_EAGER`).
 
 An attention module qualifies (:func:`fusable`) when its children ``q_proj``, ``k_proj`` and ``v_proj`` are
 nn.Linear modules running nn.Linear's forward (or tritonmm's) with one ``in_features``, and its forward
@@ -44,6 +45,19 @@ _any_autocast = torch._C._is_any_autocast_enabled
 _is_compiling = torch.compiler.is_compiling
 _PLAIN = modes.PLAIN
 _MISSING = object()
+SERVE_EAGER = False
+"""Whether calls outside CUDA-graph capture are served too. Off: on the H200, forwards of a transformers Llama
+in eager mode ran at 0.95x to 0.99x with the one GEMM against the three (decode and prefill, paced by the host:
+the serving costs the host more than the two launches it saves; ``benchmarks/h200_fuse_ab.json``), replays of
+captured forwards at 1.03x to 1.11x (``benchmarks/h200_model.json``)."""
+_capturing = torch.cuda.is_current_stream_capturing
+
+
+def _captured(x) -> bool:
+    """Whether ``x`` is a CUDA tensor and this thread's current stream is capturing a CUDA graph."""
+    return x.is_cuda and _capturing()
+
+
 MAX_FLOPS = 2**37
 """Calls above this many FLOP run the three GEMMs: at Llama-3-8B's q/k/v sizes the one GEMM measured 0.97x of
 the three at 4096 rows (2.1e11 FLOP) and 1.04x at 2048 (1.0e11), 1.3x to 3.4x below
@@ -218,7 +232,8 @@ class _Server:
 def _serve(self, x):
     """Set each projection's instance forward to a :class:`_Server` of one shared GEMM on ``x``; returns the
     servers, or None where the call runs unfused."""
-    if type(x) not in _PLAIN or _grad_enabled() or _any_autocast() or _UNSERVED in self.__dict__:
+    if type(x) not in _PLAIN or not (SERVE_EAGER or _captured(x)) or _grad_enabled() \
+            or _any_autocast() or _UNSERVED in self.__dict__:
         self.__dict__.pop(_CACHE, None)  # (no views kept for calls that do not use them)
         return None
     mods = self._modules

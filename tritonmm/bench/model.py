@@ -61,7 +61,7 @@ def build_model(name: str, device, dtype):
 def mode(name: str, model):
     """tritonmm off, swapped into ``model`` (``swap_linear``), patched into nn.Linear (``patch_linear``), or
     fused (``fuse``: each MLP's gate and up as one gated GEMM, each attention's q, k and v as one GEMM in
-    inference; the other linears stay nn.Linear)."""
+    captured CUDA graphs; the other linears stay nn.Linear)."""
     import tritonmm
 
     if name == "swap":
@@ -136,15 +136,25 @@ def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) 
 
 
 def _row(phase: str, config: str, times: dict) -> dict:
-    """Median ms per mode; per mode the median over blocks of ``len(times)`` consecutive rounds (in which
-    :func:`alternate` times every mode once in every place) of off time / its time, summed over the block
-    (drift and any effect of the place in a round cancel); and every round's times (``rounds_ms``)."""
+    """Median ms per mode; per mode the median over rounds of off time / its time in the same round, each time
+    first divided by the factor of its place in the round (the median over rounds of a time at that place over
+    its round's median; :func:`alternate` rotates the order, so every mode takes every place equally often and
+    an effect of the place cancels); and every round's times (``rounds_ms``). ``times`` lists the modes in the
+    order :func:`alternate` timed them in its first round."""
     row = {"config": config, "phase": phase, **{f"{m}_ms": statistics.median(t) for m, t in times.items()}}
-    off, n = times["off"], len(times)
-    for m, t in times.items():
+    names, n = list(times), len(times)
+    rounds = min(len(t) for t in times.values())
+    place = [[] for _ in range(n)]
+    for r in range(rounds):
+        order = names[r % n:] + names[:r % n]
+        mid = statistics.median(times[m][r] for m in order)
+        for p, m in enumerate(order):
+            place[p].append(times[m][r] / mid)
+    factor = [statistics.median(f) for f in place]
+    at = lambda m, r: times[m][r] / factor[(names.index(m) - r) % n]  # noqa: E731  (a time, place removed)
+    for m in names:
         if m != "off":
-            row[f"{m}_ratio"] = statistics.median(sum(off[i:i + n]) / sum(t[i:i + n])
-                                                  for i in range(0, len(t) - n + 1, n))
+            row[f"{m}_ratio"] = statistics.median(at("off", r) / at(m, r) for r in range(rounds))
     row["rounds_ms"] = {m: [round(v, 4) for v in t] for m, t in times.items()}
     return row
 
