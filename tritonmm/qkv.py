@@ -49,7 +49,7 @@ SERVE_EAGER = False
 """Whether calls outside CUDA-graph capture are served too. Off: on the H200, forwards of a transformers Llama
 in eager mode ran at 0.95x to 0.99x with the one GEMM against the three (decode and prefill, paced by the host:
 the serving costs the host more than the two launches it saves; ``benchmarks/h200_fuse_ab.json``), replays of
-captured forwards at 1.03x to 1.11x (``benchmarks/h200_model.json``)."""
+captured forwards at 1.02x to 1.11x over the runs (``benchmarks/h200_model.json``)."""
 _capturing = torch.cuda.is_current_stream_capturing
 
 
