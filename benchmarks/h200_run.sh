@@ -4,7 +4,8 @@
 #   info    GPU, clocks, torch/triton versions
 #   host    per-call cost of the entry points and of the Triton route's layers on this host, and a profile (printed)
 #   tests   pytest -m gpu on the GPU test modules -> $OUT/gpu_tests.log
-#   gpu_all every gpu-marked test -> $OUT/gpu_all.log
+#   gpu_all every gpu-marked test -> $OUT/gpu_all.log (more than 8 minutes on the H200: split across device calls
+#           with the tests step, e.g. TESTS="tests/test_gpu.py" and TESTS="tests/test_gpu_reliability.py tests/test_padded.py")
 #   model   python -m tritonmm.bench --model -> $OUT/h200_model.json (MODEL_ARGS adds flags, e.g. one config per
 #           device call: --model-configs small; the JSON is rewritten after each phase, so a run cut short keeps them)
 #   mlp     python -m tritonmm.bench --mlp -> $OUT/h200_mlp.json (MLP_ARGS adds flags)
