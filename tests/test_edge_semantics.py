@@ -94,6 +94,22 @@ def test_zero_tensor_operand():
         torch.testing.assert_close(tritonmm.matmul(z, b), torch.matmul(z, b))
 
 
+@pytest.mark.interpreter  # Triton on CPU tensors
+@pytest.mark.parametrize("kind", ["zero", "neg"])
+def test_zero_and_neg_operands_after_the_geometry_ran_on_triton(kind):
+    """A geometry's cached Triton runner must not read a zero tensor (no storage) or a pending negation."""
+    x, w, bias = randn(8, 32), randn(16, 32), randn(16)
+    odd = {"zero": lambda *s: torch._efficientzerotensor(s, device=x.device),
+           "neg": lambda *s: torch.randn(*s, dtype=torch.complex64, device=x.device).conj().imag}[kind]
+    with tritonmm.force_backend("triton", "pointer"):
+        tritonmm.linear(x, w, bias)
+        tritonmm.matmul(x, w.t())
+        for args in [(x, w, odd(16)), (odd(8, 32), w, bias), (x, odd(16, 32), bias)]:
+            torch.testing.assert_close(tritonmm.linear(*args), F.linear(*args), rtol=1e-5, atol=1e-5)
+        for a, b in [(odd(8, 32), w.t()), (x, odd(32, 16))]:
+            torch.testing.assert_close(tritonmm.matmul(a, b), torch.matmul(a, b), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", [torch.jagged, torch.strided])
 def test_nested_tensors_served_by_torch(layout):
     nt = torch.nested.nested_tensor([randn(2, 7), randn(3, 7)], layout=layout)

@@ -164,15 +164,21 @@ class Route:
                 return self.slow(a, b, bias)
             if self.forward_torch:
                 return self.torch_call(a, b, bias) if self.op == "linear" else self.torch_call(a, b)
-            if (self.autocast or type(a) not in _PLAIN or type(b) not in _PLAIN or _functorch_active()
-                    or _fw_ad._current_level >= 0 or _tracing_state() is not None or _function_modes()
-                    or _dispatch_modes() or a.is_neg() or b.is_neg() or a._is_zerotensor() or b._is_zerotensor()
-                    or b.dtype is not self.dtype or (b.get_device() != self.index if self.index is not None
-                                                     else b.device.type != "cpu")):
+            # (the caller checked torch.compile and jit tracing; a zero tensor, and an empty one, has address 0)
+            pa, pb = a.data_ptr(), b.data_ptr()
+            if (self.autocast or type(a) not in _PLAIN or type(b) not in _PLAIN or not pa or not pb
+                    or _functorch_active() or _fw_ad._current_level >= 0 or _function_modes() or _dispatch_modes()
+                    or a.is_neg() or b.is_neg() or b.dtype is not self.dtype
+                    or (b.get_device() != self.index if self.index is not None else b.device.type != "cpu")):
                 return self.slow(a, b, bias)
-            key = (a.shape, a.stride(), b.stride(), a.data_ptr() & 15, b.data_ptr() & 15, raw_get(_AUTOTUNE),
-                   None if bias is None else (type(bias), bias.shape, bias.stride(), bias.dtype, bias.device,
-                                              bias.data_ptr() & 15))
+            if bias is None:
+                key = (a.shape, a.stride(), b.stride(), pa & 15, pb & 15, raw_get(_AUTOTUNE), None)
+            else:
+                pc = bias.data_ptr()
+                if type(bias) not in _PLAIN or not pc or bias.is_neg():
+                    return self.slow(a, b, bias)
+                key = (a.shape, a.stride(), b.stride(), pa & 15, pb & 15, raw_get(_AUTOTUNE),
+                       (bias.shape, bias.stride(), bias.dtype, bias.device, pc & 15))
         except (AttributeError, RuntimeError, TypeError):  # a non-tensor, sparse or storage-less operand
             return self.slow(a, b, bias)
         prepared = self.runs.get(key)
