@@ -461,7 +461,7 @@ def test_forward_only_plan(monkeypatch):
     w, x = randn(8, 16).requires_grad_(), randn(4, 16)
     with torch.no_grad():
         tritonmm.linear(x, w)
-        assert routes.plans[id(w)][0] == 1
+        assert routes.plans[id(w)][0] == 1 and id(w) not in routes.free_ptrs
         y = tritonmm.linear(x, w)
     assert len(keyed) == 1 and torch.equal(y, F.linear(x, w))
     z = tritonmm.linear(x, w)  # autograd: not planned
@@ -603,7 +603,7 @@ def test_planned_weight_under_dynamo_export_and_an_environment_setting(everythin
     monkeypatch.setattr(routes, "linear_keyed", lambda *a: keyed.append(1) or orig(*a))
     w, x = randn(8, 16), randn(4, 16)
     tritonmm.linear(x, w)
-    assert routes.plans[id(w)][0] == 2 and len(keyed) == 1
+    assert routes.plans[id(w)][0] == 2 and routes.free_ptrs[id(w)] == w.data_ptr() and len(keyed) == 1
 
     def fn(x):
         return tritonmm.linear(x, w) + tritonmm.matmul(x, w.t())

@@ -24,6 +24,7 @@ from . import activations, dispatch, first_sight, gated, layout, modes, routes, 
 from ._env import raw_env, raw_name
 
 _plans_get = routes.plans.get
+_free_get = routes.free_ptrs.get
 _forced = dispatch._forced.get
 _is_compiling = torch.compiler.is_compiling
 # torch.compiler.is_compiling() reads this flag (torch.export and AOT tracing set it; Dynamo is checked apart);
@@ -63,14 +64,22 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
     """
     if _dynamo_compiling():
         return routes.matmul_slow(input, other)
-    plan = _plans_get(id(other))  # the weight plan (module docstring), checked inline
-    if plan is not None and plan[0] and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
+    ptr = _free_get(id(other))  # the weight plan (module docstring), checked inline
+    if ptr is not None and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
         try:
-            if plan[1] == other.data_ptr() and (
-                    plan[0] == 2 or not (_grad_enabled() and (input.requires_grad or other.requires_grad))):
+            if ptr == other.data_ptr():
                 return _matmul(input, other)
         except (AttributeError, RuntimeError):  # not a tensor, no storage
             pass
+    else:
+        plan = _plans_get(id(other))  # a weight free of tritonmm in its forward only
+        if plan is not None and plan[0] and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
+            try:
+                if plan[1] == other.data_ptr() and not (
+                        _grad_enabled() and (input.requires_grad or other.requires_grad)):
+                    return _matmul(input, other)
+            except (AttributeError, RuntimeError):
+                pass
     if (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()) or _tracing_state() is not None:
         return routes.matmul_slow(input, other)  # (jit tracing: every run of the trace takes one path)
     return routes.matmul_keyed(input, other)
@@ -98,18 +107,28 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     """
     if _dynamo_compiling():
         return routes.linear_slow(input, weight, bias, activation)
-    plan = _plans_get(id(weight))  # the weight plan (module docstring), checked inline
-    if plan is not None and plan[0] and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
+    ptr = _free_get(id(weight))  # the weight plan (module docstring), checked inline
+    if ptr is not None and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
         try:
-            if plan[1] == weight.data_ptr() and (
-                    plan[0] == 2 or not (_grad_enabled() and (input.requires_grad or weight.requires_grad
-                                                              or bias is not None and bias.requires_grad))):
+            if ptr == weight.data_ptr():
                 if activation == "none":
                     return _F_linear(input, weight, bias)
                 if activation in _EPILOGUES:  # as the activation module after F.linear computes it
                     return _activation(_F_linear(input, weight, bias), activation)
         except (AttributeError, RuntimeError):  # not a tensor, no storage
             pass
+    else:
+        plan = _plans_get(id(weight))  # a weight free of tritonmm in its forward only
+        if plan is not None and plan[0] and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
+            try:
+                if plan[1] == weight.data_ptr() and activation in _EPILOGUES and not (
+                        _grad_enabled() and (input.requires_grad or weight.requires_grad
+                                             or bias is not None and bias.requires_grad)):
+                    if activation == "none":
+                        return _F_linear(input, weight, bias)
+                    return _activation(_F_linear(input, weight, bias), activation)
+            except (AttributeError, RuntimeError):
+                pass
     if (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()) or _tracing_state() is not None:
         return routes.linear_slow(input, weight, bias, activation)  # (jit tracing: every run of the trace takes one path)
     return routes.linear_keyed(input, weight, bias, activation)

@@ -317,6 +317,8 @@ PLANS_MAX = 1 << 16
 plans: dict = {}
 """Weight plans: id(weight) -> (free, data_ptr, shape); ``free`` is 2 where :func:`dispatch.weight_free`
 holds for every GEMM of the weight, 1 where only for its forward (calls without autograd), else 0."""
+free_ptrs: dict = {}
+"""id(weight) -> data_ptr of the weights whose plan is 2: the first lookup of :mod:`tritonmm.api`'s calls."""
 
 
 def plan(weight: Tensor, N: int, K: int) -> None:
@@ -331,9 +333,14 @@ def plan(weight: Tensor, N: int, K: int) -> None:
         return  # (functorch's batched tensors are plain tensors without storage; a jit trace makes none)
     if len(plans) >= PLANS_MAX:
         plans.clear()
+        free_ptrs.clear()
     dtype, device = weight.dtype, weight.device
     free = 2 if dispatch.weight_free(N, K, dtype, device) else int(dispatch.weight_free(N, K, dtype, device, False))
     plans[id(weight)] = (free, weight.data_ptr(), weight.shape)
+    if free == 2:
+        free_ptrs[id(weight)] = weight.data_ptr()
+    else:
+        free_ptrs.pop(id(weight), None)
 
 
 def _planned(weight: Tensor) -> bool:
@@ -397,3 +404,4 @@ def clear() -> None:
     """Forget every route and weight plan."""
     _cache.clear()
     plans.clear()
+    free_ptrs.clear()
