@@ -342,9 +342,17 @@ def _entries(device: torch.device) -> dict:
     return _table_for(device.index if device.index is not None else torch.cuda.current_device())
 
 
+FIRST_SIGHT_MIN_GAIN = 1.05
+"""cuBLAS time / Triton time from which a first-sight measurement keeps a Triton kernel
+(:data:`tritonmm.first_sight.MIN_GAIN`); entries written with a smaller margin are held to it when read."""
+
+
 def saves(e: dict, min_saving_us: float) -> bool:
-    """Whether a Triton entry measured at least ``min_saving_us`` µs faster than cuBLAS."""
-    return e.get("triton_us") is not None and e["torch_us"] - e["triton_us"] >= min_saving_us
+    """Whether a Triton entry measured at least ``min_saving_us`` µs faster than cuBLAS (and, measured at
+    first sight, at least :data:`FIRST_SIGHT_MIN_GAIN` times as fast)."""
+    t = e.get("triton_us")
+    return t is not None and e["torch_us"] - t >= min_saving_us and (
+        "first_sight_s" not in e or e["torch_us"] >= FIRST_SIGHT_MIN_GAIN * t)
 
 
 def has_kernel(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, min_saving_us: float) -> bool:
