@@ -233,14 +233,16 @@ def test_first_sight_entries_written_with_a_smaller_margin_are_held_to_the_curre
     win = {"backend": "triton", "kernel": "tma", "config": cfg.candidates("tma")[0], "torch_us": 1020.0,
            "triton_us": 1000.0}
     p = plan(randn(2048, 512, dtype=torch.bfloat16), randn(512, 1024, dtype=torch.bfloat16))
-    for first, backend in ((True, "torch"), (False, "triton")):
-        entry = {**win, "first_sight_s": 0.4} if first else win
-        monkeypatch.setattr(tuned, "_table_for", lambda index: {key: entry})
+    try:
+        for first, backend in ((True, "torch"), (False, "triton")):
+            entry = {**win, "first_sight_s": 0.4} if first else win
+            monkeypatch.setattr(tuned, "_table_for", lambda index: {key: entry})
+            tuned.weight_used.cache_clear()
+            d = dispatch._from_table(CUDA0, torch.bfloat16, p)
+            assert d.backend == backend and ("first-sight tuning's margin" in d.reason) == first, str(d)
+            assert tuned.weight_used(0, (torch.bfloat16,), 1024, 512, dispatch.TRITON_MIN_SAVING_US) == (not first)
+    finally:
         tuned.weight_used.cache_clear()
-        d = dispatch._from_table(CUDA0, torch.bfloat16, p)
-        assert d.backend == backend and ("first-sight tuning's margin" in d.reason) == first, str(d)
-        assert tuned.weight_used(0, (torch.bfloat16,), 1024, 512, dispatch.TRITON_MIN_SAVING_US) == (not first)
-    tuned.weight_used.cache_clear()
 
 
 def _table(path):

@@ -137,9 +137,9 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
 def torch_planned(weight) -> bool:
     """Whether ``weight`` has a current plan sending every GEMM it takes part in to torch, in the default
     state (nothing forced): where a fused module has nothing left to fuse."""
-    plan = _plans_get(id(weight))
+    ptr = _free_get(id(weight))
     try:
-        return plan is not None and plan[0] == 2 and plan[1] == weight.data_ptr() and _forced() is None \
+        return ptr is not None and ptr == weight.data_ptr() and _forced() is None \
             and _BACKEND not in raw_env and _KERNEL not in raw_env
     except (AttributeError, RuntimeError):  # not a tensor, no storage
         return False

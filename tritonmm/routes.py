@@ -171,14 +171,13 @@ class Route:
                     or a.is_neg() or b.is_neg() or b.dtype is not self.dtype
                     or (b.get_device() != self.index if self.index is not None else b.device.type != "cpu")):
                 return self.slow(a, b, bias)
-            if bias is None:
-                key = (a.shape, a.stride(), b.stride(), pa & 15, pb & 15, raw_get(_AUTOTUNE), None)
-            else:
+            bias_key = None
+            if bias is not None:
                 pc = bias.data_ptr()
                 if type(bias) not in _PLAIN or not pc or bias.is_neg():
                     return self.slow(a, b, bias)
-                key = (a.shape, a.stride(), b.stride(), pa & 15, pb & 15, raw_get(_AUTOTUNE),
-                       (bias.shape, bias.stride(), bias.dtype, bias.device, pc & 15))
+                bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, pc & 15)
+            key = (a.shape, a.stride(), b.stride(), pa & 15, pb & 15, raw_get(_AUTOTUNE), bias_key)
         except (AttributeError, RuntimeError, TypeError):  # a non-tensor, sparse or storage-less operand
             return self.slow(a, b, bias)
         prepared = self.runs.get(key)
@@ -336,9 +335,10 @@ def plan(weight: Tensor, N: int, K: int) -> None:
         free_ptrs.clear()
     dtype, device = weight.dtype, weight.device
     free = 2 if dispatch.weight_free(N, K, dtype, device) else int(dispatch.weight_free(N, K, dtype, device, False))
-    plans[id(weight)] = (free, weight.data_ptr(), weight.shape)
+    ptr = weight.data_ptr()
+    plans[id(weight)] = (free, ptr, weight.shape)
     if free == 2:
-        free_ptrs[id(weight)] = weight.data_ptr()
+        free_ptrs[id(weight)] = ptr
     else:
         free_ptrs.pop(id(weight), None)
 
