@@ -259,6 +259,38 @@ def test_a_place_effect_within_rounds_cancels_in_the_ratio():
     assert naive != pytest.approx(1.0, abs=0.02)  # a median of raw per-round ratios would not cancel it
 
 
+def test_median_interval_is_the_binomial_order_statistics():
+    """95% intervals for a median from binomial tables (p = 1/2): n = 30 -> the 10th and 21st order
+    statistics, n = 12 -> the 3rd and 10th; with 5 values no pair reaches 95%, so the extremes."""
+    import random
+
+    from tritonmm.bench.timing import median_interval
+
+    values = list(range(1, 31))
+    random.Random(0).shuffle(values)
+    assert median_interval(values) == (10, 21)
+    assert median_interval([float(v) for v in range(12, 0, -1)]) == (3.0, 10.0)
+    assert median_interval([5, 1, 4, 2, 3]) == (1, 5)
+    assert median_interval(range(1, 31), confidence=0.5) != (10, 21)  # narrower at lower confidence
+
+
+def test_model_rows_carry_an_interval_around_each_ratio(tmp_path, capsys):
+    """Each mode's ratio comes with its interval (containing it), and the Markdown table shows it."""
+    from tritonmm.bench import model
+
+    times = {m: [] for m in ("off", "swap", "control")}
+    for r in range(12):
+        for m in times:
+            times[m].append((1.0 + 0.01 * ((r * 7) % 5)) / (1.1 if m == "swap" else 1.0))
+    row = model._row("phase", "cfg", times)
+    for m in ("swap", "control"):
+        lo, hi = row[f"{m}_interval"]
+        assert lo <= row[f"{m}_ratio"] <= hi
+    assert row["swap_ratio"] == pytest.approx(1.1)
+    table = model.markdown({"phases": [row], "per_call": []})
+    assert f"{row['swap_ratio']:.3f}x ({row['swap_interval'][0]:.3f}-{row['swap_interval'][1]:.3f})" in table
+
+
 def test_per_call_cost_cancels_the_place_in_a_round(monkeypatch):
     """Two identical contenders, whichever runs first in a round 10% faster: the cost over torch reads 0,
     where a median of within-round differences over an odd number of rounds would read the majority's order;

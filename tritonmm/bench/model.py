@@ -6,8 +6,8 @@ Phases (each timed per mode, the order of the modes rotated round by round, wall
 ``torch.cuda.synchronize()`` calls): eager prefill, eager decode with a KV cache, a training step
 (fp32 weights, bf16 autocast, AdamW), torch.compile prefill and CUDA-graph replay of a forward.
 Ratios are off time / on time (> 1: tritonmm faster), against an A/A control (tritonmm off as a second
-contender). Eager prefill and decode, paced by the host, whose wall time varies by a few percent from
-sample to sample on a shared host, take twice the rounds.
+contender), each with a 95% interval (:func:`tritonmm.bench.timing.median_interval`). Eager prefill and decode, paced by the
+host, whose wall time varies by a few percent from sample to sample on a shared host, take twice the rounds.
 
 Per-call rows time many back-to-back calls of a problem whose GPU work is shorter than its host work,
 so the host sets the pace: the difference is what each call costs on the host.
@@ -23,6 +23,8 @@ import statistics
 import time
 
 import torch
+
+from .timing import median_interval
 
 CONFIGS = {
     # hidden 1024, 4 layers: host time dominates
@@ -154,7 +156,9 @@ def _row(phase: str, config: str, times: dict) -> dict:
     at = lambda m, r: times[m][r] / factor[(names.index(m) - r) % n]  # noqa: E731  (a time, place removed)
     for m in names:
         if m != "off":
-            row[f"{m}_ratio"] = statistics.median(at("off", r) / at(m, r) for r in range(rounds))
+            ratios = [at("off", r) / at(m, r) for r in range(rounds)]
+            row[f"{m}_ratio"] = statistics.median(ratios)
+            row[f"{m}_interval"] = list(median_interval(ratios))
     row["rounds_ms"] = {m: [round(v, 4) for v in t] for m, t in times.items()}
     return row
 
@@ -421,10 +425,16 @@ def markdown(result: dict) -> str:
     """The README's model table."""
     lines = ["| model | phase | off ms | swap_linear | patch_linear | fuse | off again (A/A) |",
              "|---|---|---|---|---|---|---|"]
-    cell = lambda r, k: f"{r[k]:.3f}x" if k in r else "-"  # noqa: E731
+
+    def cell(r, m):
+        if f"{m}_ratio" not in r:
+            return "-"
+        lo_hi = r.get(f"{m}_interval")
+        return f"{r[f'{m}_ratio']:.3f}x" + (f" ({lo_hi[0]:.3f}-{lo_hi[1]:.3f})" if lo_hi else "")
+
     for r in result["phases"]:
-        lines.append(f"| {r['config']} | {r['phase']} | {r['off_ms']:.2f} | {cell(r, 'swap_ratio')} | "
-                     f"{cell(r, 'patch_ratio')} | {cell(r, 'fuse_ratio')} | {cell(r, 'control_ratio')} |")
+        lines.append(f"| {r['config']} | {r['phase']} | {r['off_ms']:.2f} | {cell(r, 'swap')} | "
+                     f"{cell(r, 'patch')} | {cell(r, 'fuse')} | {cell(r, 'control')} |")
     lines += ["", "| per call | torch µs | tritonmm µs | over |", "|---|---|---|---|"]
     for r in result["per_call"]:
         lines.append(f"| {r['row']} ({r['torch']} vs {r['tritonmm']}) | {r['torch_us']:.1f} | {r['tritonmm_us']:.1f} | "

@@ -1,9 +1,10 @@
 """Timing both contenders side by side: CUDA events, L2 flushed, a GPU spin hiding host time,
-contenders interleaved call by call (see :func:`_pair_times_ms`)."""
+contenders interleaved call by call (see :func:`_pair_times_ms`); an interval for a median of ratios."""
 
 from __future__ import annotations
 
 import datetime
+import math
 import platform
 import subprocess
 import time
@@ -115,3 +116,16 @@ def _first_call_ms(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3
+
+
+def median_interval(values, confidence: float = 0.95) -> tuple:
+    """The order statistics of ``values`` between which their median lies with at least ``confidence``,
+    the values taken as independent draws (distribution-free: the count below the median is binomial with
+    p = 1/2); the smallest and largest value where too few values give that confidence."""
+    v = sorted(values)
+    n = len(v)
+    alpha, j, below = (1 - confidence) / 2, -1, 0.0  # j: the largest count with P(X <= j) <= alpha
+    while j + 1 < n // 2 and below + math.comb(n, j + 1) / 2 ** n <= alpha:
+        j += 1
+        below += math.comb(n, j) / 2 ** n
+    return (v[j], v[n - 1 - j]) if j >= 0 else (v[0], v[-1])
