@@ -95,6 +95,7 @@ if "checks" in part:
     _free_get, _F = api._free_get, F.linear
     _dyn, _forced, B, K = api._dynamo_compiling, api._forced, api._BACKEND, api._KERNEL
 
+    # each variant written out, its checks inline as the fast path has them (a shared helper would add a call)
     def call_only(input, weight, bias=None, activation="none"):
         return _F(input, weight, bias)
 
