@@ -78,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=pathlib.Path, help="write rows and machine facts as JSON")
     p.add_argument("--csv", type=pathlib.Path, help="write rows as CSV")
     p.add_argument("--model", action="store_true",
-                   help="the model benchmark: a transformers Llama model, tritonmm off / swap_linear / patch_linear")
+                   help="the model benchmark: a transformers Llama model, tritonmm off / swap_linear / patch_linear / "
+                        "fuse / off again (A/A)")
     p.add_argument("--model-configs", nargs="+", choices=list(CONFIGS), default=None,
                    help="with --model: which configs (default: small and llama3-8b-2l on a GPU, tiny without)")
     p.add_argument("--model-phases", nargs="+", choices=["eager", "train", "compile"], default=None,
