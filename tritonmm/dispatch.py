@@ -336,7 +336,7 @@ def _table_decision(e: dict, plan: Plan, dtype: torch.dtype, source: str) -> Dec
             return Decision("torch", None, f"{source}: cuBLAS kept (Triton measured {ratio:.2f}x, inside the "
                                            f"tuner's margin)")
         return Decision("torch", None, f"{source}: cuBLAS measured faster (Triton {ratio:.2f}x)")
-    if "first_sight_s" in e and ratio < _tuned.FIRST_SIGHT_MIN_GAIN:  # written with an earlier, smaller margin
+    if _tuned.under_first_sight_margin(e):
         return Decision("torch", None, f"{source}: cuBLAS kept (Triton measured {ratio:.2f}x, inside first-sight "
                                        f"tuning's margin of {_tuned.FIRST_SIGHT_MIN_GAIN:g}x)")
     if not _tuned.saves(e, TRITON_MIN_SAVING_US):

@@ -347,12 +347,17 @@ FIRST_SIGHT_MIN_GAIN = 1.05
 (:data:`tritonmm.first_sight.MIN_GAIN`); entries written with a smaller margin are held to it when read."""
 
 
+def under_first_sight_margin(e: dict) -> bool:
+    """Whether a Triton entry measured at first sight is under :data:`FIRST_SIGHT_MIN_GAIN` (written with an
+    earlier, smaller margin)."""
+    return "first_sight_s" in e and e["torch_us"] < FIRST_SIGHT_MIN_GAIN * e["triton_us"]
+
+
 def saves(e: dict, min_saving_us: float) -> bool:
     """Whether a Triton entry measured at least ``min_saving_us`` µs faster than cuBLAS (and, measured at
     first sight, at least :data:`FIRST_SIGHT_MIN_GAIN` times as fast)."""
     t = e.get("triton_us")
-    return t is not None and e["torch_us"] - t >= min_saving_us and (
-        "first_sight_s" not in e or e["torch_us"] >= FIRST_SIGHT_MIN_GAIN * t)
+    return t is not None and e["torch_us"] - t >= min_saving_us and not under_first_sight_margin(e)
 
 
 def has_kernel(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, min_saving_us: float) -> bool:

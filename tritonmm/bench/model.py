@@ -6,8 +6,9 @@ Phases (each timed per mode, the order of the modes rotated round by round, wall
 ``torch.cuda.synchronize()`` calls): eager prefill, eager decode with a KV cache, a training step
 (fp32 weights, bf16 autocast, AdamW), torch.compile prefill and CUDA-graph replay of a forward.
 Ratios are off time / on time (> 1: tritonmm faster), against an A/A control (tritonmm off as a second
-contender), each with a 95% interval (:func:`tritonmm.bench.timing.median_interval`). Eager prefill and decode, paced by the
-host, whose wall time varies by a few percent from sample to sample on a shared host, take twice the rounds.
+contender), each with a 95% interval (:func:`tritonmm.bench.timing.median_interval`). Eager prefill and
+decode, paced by the host, whose wall time varies by a few percent from sample to sample on a shared host,
+take twice the rounds.
 
 Per-call rows time many back-to-back calls of a problem whose GPU work is shorter than its host work,
 so the host sets the pace: the difference is what each call costs on the host.
