@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritonmm
-from tritonmm import dispatch, routes
+from tritonmm import dispatch, routes, runners
 from tritonmm.testing import randn
 
 pytestmark = pytest.mark.interpreter
@@ -95,6 +95,90 @@ def test_second_key_checks_the_weights_dtype_and_the_bias():
         tritonmm.linear(x, w, randn(3))
     with pytest.raises(TypeError, match="bias"):
         tritonmm.linear(x, w, 1.0)
+
+
+def _route_calls(monkeypatch):
+    calls = []
+    orig = routes.Route.__call__
+    monkeypatch.setattr(routes.Route, "__call__", lambda self, *args: calls.append(1) or orig(self, *args))
+    return calls
+
+
+@pytest.mark.parametrize("op", ["linear", "matmul"])
+def test_direct_key_serves_repeat_calls_and_only_those(op, monkeypatch):
+    """A plain call without autograd that a cached Triton route served once is served by one key and one
+    lookup (routes.direct), not by the Route; a call with a gradient, under autocast, on a neg-bit view, with
+    a weight of another dtype or strides, or after an environment variable changed the decision, is not
+    served by that entry, and each gets what torch computes."""
+    x, w, b = randn(4, 16), randn(8, 16), randn(8)
+    if op == "linear":
+        call, want = (lambda x, w: tritonmm.linear(x, w, b, "relu")), (lambda x, w: F.relu(F.linear(x, w, b)))
+    else:
+        call, want = (lambda x, w: tritonmm.matmul(x, w.t())), (lambda x, w: torch.matmul(x, w.t()))
+    call(x, w)
+    assert len(routes.direct) == 1 and isinstance(_entries()[0], routes.Route)
+    calls = _route_calls(monkeypatch)
+    for _ in range(2):
+        torch.testing.assert_close(call(x, w), want(x, w), rtol=1e-5, atol=1e-5)
+    assert not calls and len(routes.direct) == 1
+    y = call(x.clone().requires_grad_(), w)
+    assert len(calls) == 1 and y.grad_fn is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = call(x, w)
+    assert len(calls) == 2 and got.dtype == torch.bfloat16
+    neg = (x.to(torch.complex64) * 1j).conj().imag  # x's values negated, by a neg-bit view
+    assert neg.is_neg()
+    torch.testing.assert_close(call(neg, w), want(-x, w), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 3
+    wt = w.t().contiguous().t()  # same values, other strides: its own runner
+    torch.testing.assert_close(call(x, wt), want(x, w), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 4
+    with pytest.raises(RuntimeError, match="dtype"):
+        call(x, w.double())  # (the Route's own checks raise)
+    n = len(calls)
+    monkeypatch.setenv("TRITONMM_BACKEND", "torch")
+    assert torch.equal(call(x, w), want(x, w))  # torch's own call, bit for bit: the Triton entry did not serve it
+    assert len(calls) == n and not isinstance(_entries()[-1], routes.Route)
+    monkeypatch.delenv("TRITONMM_BACKEND")
+    call(x, w)
+    assert len(calls) == n  # the entry serves again
+    tritonmm.clear_cache()
+    assert not routes.direct
+
+
+def test_a_deferred_route_enters_no_direct_entry():
+    """A route first-sight tuning keeps for one call only (inside CUDA-graph capture) must decide again on its
+    next call: it leaves nothing in routes.direct."""
+    x, w = randn(4, 16), randn(8, 16)
+    route = routes.Route(F.linear, False, "linear", "none", None, x)
+    torch.testing.assert_close(routes._deferred(route)(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert route.runs and not routes.direct
+
+
+def test_a_failed_kernel_served_through_the_direct_key_warns_once(monkeypatch):
+    """A runner whose kernel fails falls back to torch for good, one warning, also when it is reached
+    through routes.direct."""
+    from tritonmm.kernels import launch as launch_mod
+
+    x, w = randn(4, 16), randn(8, 16)
+    tritonmm.linear(x, w)
+    (prepared,) = routes.direct.values()
+    assert prepared.decision.backend == "triton"
+    inner = prepared.run
+
+    def failing(*args):
+        raise launch_mod.LAUNCH_FAILURES[0]("no resources")
+
+    cells = [c for c in inner.__closure__ if callable(c.cell_contents) and c.cell_contents.__name__ == "run"]
+    cells[0].cell_contents = failing
+    with pytest.warns(runners.KernelFailedWarning):
+        got = tritonmm.linear(x, w)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(tritonmm.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert prepared.decision.backend == "torch"
 
 
 def test_autocast_on_the_triton_route_casts_the_current_weight():

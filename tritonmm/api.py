@@ -1,14 +1,14 @@
 """The public entry points and their per-call fast path.
 
-The fastest path is a weight plan: for an (N, K) weight that automatic dispatch sends to cuBLAS in every
-GEMM it can take part in (:func:`dispatch.weight_free`: the forward for any number of rows, in its
-dtype or an autocast dtype, and both gradients), a call in the default state (nothing forced, not
-compiling) is ``F.linear`` / ``torch.matmul`` itself after one dictionary lookup, validated by the
-weight's data pointer (a new dtype, device or storage moves it; a plan only ever chooses torch's
-own call, so a stale one costs a missed Triton route, never a wrong result). Torch's own autograd,
-autocast (with its weight-cast cache), functorch and mode handling then apply. Everything else goes through the keyed routes
-(:mod:`tritonmm.routes`). Under ``torch.compile`` and ``torch.export`` the call is the op itself,
-which decides at trace time (:mod:`tritonmm.traced`).
+The fastest path is a weight plan (:mod:`tritonmm.plans`): for an (N, K) weight that automatic dispatch sends
+to cuBLAS in every GEMM it can take part in (:func:`dispatch.weight_free`: the forward for any number of rows,
+in its dtype or an autocast dtype, and both gradients), a call in the default state (nothing forced, not
+compiling) is ``F.linear`` / ``torch.matmul`` itself after one dictionary lookup, validated by the weight's
+data pointer (a new dtype, device or storage moves it; a plan only ever chooses torch's own call, so a stale
+one costs a missed Triton route, never a wrong result). Torch's own autograd, autocast (with its weight-cast
+cache), functorch and mode handling then apply. Everything else goes through the keyed routes
+(:mod:`tritonmm.routes`). Under ``torch.compile`` and ``torch.export`` the call is the op itself, which
+decides at trace time (:mod:`tritonmm.traced`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from torch import Tensor
 
 from . import activations, dispatch, first_sight, gated, layout, modes, routes, runners, shapes
 from ._env import raw_env, raw_name
+from .plans import free_ptrs, plans
 
-_plans_get = routes.plans.get
-_free_get = routes.free_ptrs.get
+_plans_get = plans.get
+_free_get = free_ptrs.get
 _forced = dispatch._forced.get
 _is_compiling = torch.compiler.is_compiling
 # torch.compiler.is_compiling() reads this flag (torch.export and AOT tracing set it; Dynamo is checked apart);

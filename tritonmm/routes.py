@@ -10,6 +10,10 @@ looks up a callable resolved on the first call with that key:
 * otherwise a :class:`Route` runs the runner (:mod:`tritonmm.runners`) directly for plain eager
   tensors, a ``torch.autograd.Function`` over the same runner where autograd is needed, and the
   ``torch.library`` op for everything else (tensor subclasses, modes, tracing).
+
+A plain eager call without autograd or autocast that a cached Route served once is served from then on
+by one key over its whole geometry and state (:func:`_direct_key`) and one lookup of its runner
+(:data:`direct`), without the Route's two keys.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch.fx import Proxy as _Proxy
 from . import activations, dispatch, first_sight, grads, modes, runners, shapes
 from ._env import raw_get, raw_name
 from .layout import tag as layout_tag
+from .plans import free_ptrs, plan, planned, plans
 
 CACHE_MAX = 4096
 _cache: dict = {}
@@ -149,7 +154,7 @@ class Route:
     Triton (``forward_torch``), calls that need no gradient go to torch directly.
     """
 
-    __slots__ = ("torch_call", "forward_torch", "op", "activation", "autocast", "runs", "dtype", "index")
+    __slots__ = ("torch_call", "forward_torch", "op", "activation", "autocast", "runs", "dtype", "index", "cached")
 
     def __init__(self, torch_call, forward_torch: bool, op: str, activation: str, autocast, a: Tensor):
         self.torch_call, self.forward_torch, self.op, self.activation = torch_call, forward_torch, op, activation
@@ -157,6 +162,7 @@ class Route:
         self.dtype = a.dtype
         self.index = a.get_device() if a.is_cuda else None  # CPU routes (the interpreter) check devices in full
         self.runs: dict = {}
+        self.cached = False  # kept in the route cache (not a first-sight deferred one): its runners enter `direct`
 
     def __call__(self, a, b, bias=None):
         try:
@@ -187,6 +193,12 @@ class Route:
             if len(self.runs) >= _RUNS_MAX:
                 self.runs.clear()
             prepared = self.runs[key] = runners.lookup(a, b, bias, self.activation, self.op)  # shared with explain
+        if self.cached:
+            full = _direct_key(a, b, bias, self.activation)
+            if full is not None:
+                if len(direct) >= CACHE_MAX:
+                    direct.clear()
+                direct[full] = prepared
         return prepared.run(a, b, bias)
 
     def slow(self, a, b, bias):
@@ -225,7 +237,43 @@ def _remember(key, entry):
     if len(_cache) >= CACHE_MAX:
         _cache.clear()
     _cache[key] = entry
+    if type(entry) is Route:
+        entry.cached = True
     return entry
+
+
+direct: dict = {}
+"""Plain eager calls without autograd or autocast: :func:`_direct_key` -> the :class:`runners.Prepared` a
+cached :class:`Route` found for them (the runner's own fallback to torch included)."""
+
+
+def _direct_key(a, b, bias, activation):
+    """The key of a call that :data:`direct` may serve, or None: no gradient, no autocast, plain tensors,
+    no functorch transform, forward-mode AD, torch function or dispatch mode, pending negation or
+    storage-less zero tensor (the caller checked torch.compile and jit tracing); its shapes, strides,
+    dtypes, devices, 16-byte alignments, activation, forcing state, environment and float32 precision.
+
+    Raises:
+        AttributeError, RuntimeError, TypeError: an operand is not a strided tensor with storage.
+    """
+    if _grad_enabled() and (a.requires_grad or b.requires_grad or bias is not None and bias.requires_grad):
+        return None
+    if (_any_autocast() or type(a) not in _PLAIN or type(b) not in _PLAIN or _functorch_active()
+            or _fw_ad._current_level >= 0 or _function_modes() or _dispatch_modes()):
+        return None
+    pa, pb = a.data_ptr(), b.data_ptr()
+    if not pa or not pb or a.is_neg() or b.is_neg():
+        return None
+    bias_key = None
+    if bias is not None:
+        pc = bias.data_ptr()
+        if type(bias) not in _PLAIN or not pc or bias.is_neg():
+            return None
+        bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, pc & 15)
+    dtype = a.dtype
+    return (a.shape, a.stride(), b.shape, b.stride(), dtype, b.dtype, a.device, b.device, pa & 15, pb & 15, bias_key,
+            activation, _forced(), raw_get(_BACKEND), raw_get(_KERNEL), raw_get(_AUTOTUNE),
+            _fp32_precision() if dtype is _F32 else None)
 
 
 def _linear_entry(key, x: Tensor, weight: Tensor, bias, activation: str, autocast):
@@ -312,48 +360,15 @@ def _require_tensor(name: str, value, op: str) -> None:
 
 
 
-PLANS_MAX = 1 << 16
-plans: dict = {}
-"""Weight plans: id(weight) -> (free, data_ptr, shape); ``free`` is 2 where :func:`dispatch.weight_free`
-holds for every GEMM of the weight, 1 where only for its forward (calls without autograd), else 0."""
-free_ptrs: dict = {}
-"""id(weight) -> data_ptr of the weights whose plan is 2: the first lookup of :mod:`tritonmm.api`'s calls."""
-
-
-def plan(weight: Tensor, N: int, K: int) -> None:
-    """Record whether ``weight``, read as an (N, K) linear weight, is free of tritonmm (never reaches a
-    Triton kernel or the padded path under automatic dispatch). Called where a call of the weight resolved
-    to torch itself and its plan is not current (:func:`_planned`); plans are made in the default state
-    only (nothing forced), for plain tensors."""
-    if _forced() is not None or raw_get(_BACKEND) is not None or raw_get(_KERNEL) is not None:
-        return
-    if type(weight) not in _PLAIN or not modes.plain(weight) or modes.torch_only(weight) \
-            or _tracing_state() is not None:
-        return  # (functorch's batched tensors are plain tensors without storage; a jit trace makes none)
-    if len(plans) >= PLANS_MAX:
-        plans.clear()
-        free_ptrs.clear()
-    dtype, device = weight.dtype, weight.device
-    free = 2 if dispatch.weight_free(N, K, dtype, device) else int(dispatch.weight_free(N, K, dtype, device, False))
-    ptr = weight.data_ptr()
-    plans[id(weight)] = (free, ptr, weight.shape)
-    if free == 2:
-        free_ptrs[id(weight)] = ptr
-    else:
-        free_ptrs.pop(id(weight), None)
-
-
-def _planned(weight: Tensor) -> bool:
-    """Whether ``weight`` has a current plan (free or not): :func:`plan` would return at once."""
-    current = plans.get(id(weight))
-    try:
-        return current is not None and current[1] == weight.data_ptr() and current[2] == weight.shape
-    except RuntimeError:  # no storage (functorch's batched tensors): plan() decides
-        return False
-
-
 def matmul_keyed(input: Tensor, other: Tensor) -> Tensor:
     """``tritonmm.matmul`` through the keyed cache."""
+    if direct:
+        try:
+            prepared = direct.get(_direct_key(input, other, None, "none"))
+        except (AttributeError, RuntimeError, TypeError):
+            prepared = None
+        if prepared is not None:
+            return prepared.run(input, other, None)
     try:
         dtype = input.dtype
         key = (input.shape, other.shape, dtype, input.device, _any_autocast() and _autocast_dtype(input),
@@ -370,13 +385,20 @@ def matmul_keyed(input: Tensor, other: Tensor) -> Tensor:
             return matmul_slow(input, other)
         fn = _matmul_entry(key, input, other, key[4])
     if (fn is torch.matmul or type(fn) is Route and fn.forward_torch) and other.dim() == 2 \
-            and not _planned(other):
+            and not planned(other):
         plan(other, other.shape[1], other.shape[0])
     return fn(input, other)
 
 
 def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
     """``tritonmm.linear`` through the keyed cache."""
+    if direct:
+        try:
+            prepared = direct.get(_direct_key(input, weight, bias, activation))
+        except (AttributeError, RuntimeError, TypeError):
+            prepared = None
+        if prepared is not None:
+            return prepared.run(input, weight, bias)
     try:  # x enters by its element count: with weight (N, K) that fixes M (a wrong K is caught by F.linear)
         dtype = input.dtype
         key = (input.numel(), weight.shape, dtype, input.device, activation,
@@ -395,7 +417,7 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
         if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias):
             return linear_slow(input, weight, bias, activation)
         fn = _linear_entry(key, input, weight, bias, activation, key[5])
-    if (fn in _TORCH_LINEAR or type(fn) is Route and fn.forward_torch) and not _planned(weight):
+    if (fn in _TORCH_LINEAR or type(fn) is Route and fn.forward_torch) and not planned(weight):
         plan(weight, *weight.shape)
     return fn(input, weight, bias)
 
@@ -403,5 +425,6 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
 def clear() -> None:
     """Forget every route and weight plan."""
     _cache.clear()
+    direct.clear()
     plans.clear()
     free_ptrs.clear()
