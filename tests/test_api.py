@@ -146,6 +146,21 @@ def test_direct_key_serves_repeat_calls_and_only_those(op, monkeypatch):
     assert not routes.direct
 
 
+def test_fx_symbolic_trace_while_direct_entries_exist():
+    """torch.fx's Proxies (whose truth value raises) reach the keyed functions with direct entries present:
+    they are recorded as the ops, with gradients enabled too."""
+    x, w, b = randn(3, 8), randn(5, 8), randn(5)
+    tritonmm.matmul(x, w.t()), tritonmm.linear(x, w, b)
+    assert routes.direct
+    with torch.enable_grad():
+        gm = torch.fx.symbolic_trace(lambda a, c: tritonmm.matmul(a, c))
+        gl = torch.fx.symbolic_trace(lambda a, c, d: tritonmm.linear(a, c, d))
+    assert {n.target for n in gm.graph.nodes if n.op == "call_function"} == {torch.ops.tritonmm.matmul}
+    assert {n.target for n in gl.graph.nodes if n.op == "call_function"} == {torch.ops.tritonmm.linear}
+    torch.testing.assert_close(gm(x, w.t()), x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gl(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
 def test_a_deferred_route_enters_no_direct_entry():
     """A route first-sight tuning keeps for one call only (inside CUDA-graph capture) must decide again on its
     next call: it leaves nothing in routes.direct."""

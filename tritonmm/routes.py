@@ -256,10 +256,12 @@ def _direct_key(a, b, bias, activation):
     Raises:
         AttributeError, RuntimeError, TypeError: an operand is not a strided tensor with storage.
     """
+    if type(a) not in _PLAIN or type(b) not in _PLAIN or bias is not None and type(bias) not in _PLAIN:
+        return None  # (first: torch.fx's Proxies, whose truth value raises, and subclasses)
     if _grad_enabled() and (a.requires_grad or b.requires_grad or bias is not None and bias.requires_grad):
         return None
-    if (_any_autocast() or type(a) not in _PLAIN or type(b) not in _PLAIN or _functorch_active()
-            or _fw_ad._current_level >= 0 or _function_modes() or _dispatch_modes()):
+    if (_any_autocast() or _functorch_active() or _fw_ad._current_level >= 0 or _function_modes()
+            or _dispatch_modes()):
         return None
     pa, pb = a.data_ptr(), b.data_ptr()
     if not pa or not pb or a.is_neg() or b.is_neg():
@@ -267,7 +269,7 @@ def _direct_key(a, b, bias, activation):
     bias_key = None
     if bias is not None:
         pc = bias.data_ptr()
-        if type(bias) not in _PLAIN or not pc or bias.is_neg():
+        if not pc or bias.is_neg():
             return None
         bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, pc & 15)
     dtype = a.dtype
