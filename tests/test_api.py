@@ -161,6 +161,39 @@ def test_fx_symbolic_trace_while_direct_entries_exist():
     torch.testing.assert_close(gl(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def test_matmul_and_linear_of_one_square_weight_keep_their_own_entries():
+    """matmul reads b as (K, N), linear as (N, K): on a square weight their direct keys differ, whichever comes
+    first."""
+    a, w = randn(4, 8), randn(8, 8)
+    for first in ("matmul", "linear"):
+        tritonmm.clear_cache()
+        calls = [lambda: tritonmm.matmul(a, w), lambda: tritonmm.linear(a, w)]
+        if first == "linear":
+            calls.reverse()
+        for _ in range(2):
+            for call in calls:
+                call()
+        assert len(routes.direct) == 2
+        torch.testing.assert_close(tritonmm.matmul(a, w), a @ w, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tritonmm.linear(a, w), a @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_an_unhashable_activation_raises_the_value_error():
+    x, w = randn(4, 8), randn(5, 8)
+    for _ in range(2):
+        tritonmm.linear(x, w)
+        with pytest.raises(ValueError, match="activation"):
+            tritonmm.linear(x, w, None, ["relu"])
+
+
+def test_an_unhashable_activation_on_a_planned_weight_raises_the_value_error(everything_torch):
+    x, w = randn(4, 8), randn(5, 8)
+    tritonmm.linear(x, w), tritonmm.linear(x, w)
+    assert routes.free_ptrs.get(id(w)) == w.data_ptr()
+    with pytest.raises(ValueError, match="activation"):
+        tritonmm.linear(x, w, None, ["relu"])
+
+
 def test_a_deferred_route_enters_no_direct_entry():
     """A route first-sight tuning keeps for one call only (inside CUDA-graph capture) must decide again on its
     next call: it leaves nothing in routes.direct."""

@@ -37,7 +37,7 @@ _grad_enabled = torch.is_grad_enabled
 _F_linear = F.linear
 _matmul = torch.matmul
 _activation = activations.apply
-_EPILOGUES = frozenset(activations.ACTIVATIONS)
+_EPILOGUES = activations.ACTIVATIONS  # (a tuple: an unhashable activation compares, the full checks raise)
 _BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")
 
 

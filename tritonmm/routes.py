@@ -194,7 +194,7 @@ class Route:
                 self.runs.clear()
             prepared = self.runs[key] = runners.lookup(a, b, bias, self.activation, self.op)  # shared with explain
         if self.cached:
-            full = _direct_key(a, b, bias, self.activation)
+            full = _direct_key(self.op, a, b, bias, self.activation)
             if full is not None:
                 if len(direct) >= CACHE_MAX:
                     direct.clear()
@@ -247,11 +247,12 @@ direct: dict = {}
 cached :class:`Route` found for them (the runner's own fallback to torch included)."""
 
 
-def _direct_key(a, b, bias, activation):
+def _direct_key(op, a, b, bias, activation):
     """The key of a call that :data:`direct` may serve, or None: no gradient, no autocast, plain tensors,
     no functorch transform, forward-mode AD, torch function or dispatch mode, pending negation or
-    storage-less zero tensor (the caller checked torch.compile and jit tracing); its shapes, strides,
-    dtypes, devices, 16-byte alignments, activation, forcing state, environment and float32 precision.
+    storage-less zero tensor (the caller checked torch.compile and jit tracing); its op ("matmul" reads b
+    as (K, N), "linear" as (N, K)), shapes, strides, dtypes, devices, 16-byte alignments, activation,
+    forcing state, environment and float32 precision.
 
     Raises:
         AttributeError, RuntimeError, TypeError: an operand is not a strided tensor with storage.
@@ -273,8 +274,8 @@ def _direct_key(a, b, bias, activation):
             return None
         bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, pc & 15)
     dtype = a.dtype
-    return (a.shape, a.stride(), b.shape, b.stride(), dtype, b.dtype, a.device, b.device, pa & 15, pb & 15, bias_key,
-            activation, _forced(), raw_get(_BACKEND), raw_get(_KERNEL), raw_get(_AUTOTUNE),
+    return (op, a.shape, a.stride(), b.shape, b.stride(), dtype, b.dtype, a.device, b.device, pa & 15, pb & 15,
+            bias_key, activation, _forced(), raw_get(_BACKEND), raw_get(_KERNEL), raw_get(_AUTOTUNE),
             _fp32_precision() if dtype is _F32 else None)
 
 
@@ -366,7 +367,7 @@ def matmul_keyed(input: Tensor, other: Tensor) -> Tensor:
     """``tritonmm.matmul`` through the keyed cache."""
     if direct:
         try:
-            prepared = direct.get(_direct_key(input, other, None, "none"))
+            prepared = direct.get(_direct_key("matmul", input, other, None, "none"))
         except (AttributeError, RuntimeError, TypeError):
             prepared = None
         if prepared is not None:
@@ -396,7 +397,7 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
     """``tritonmm.linear`` through the keyed cache."""
     if direct:
         try:
-            prepared = direct.get(_direct_key(input, weight, bias, activation))
+            prepared = direct.get(_direct_key("linear", input, weight, bias, activation))
         except (AttributeError, RuntimeError, TypeError):
             prepared = None
         if prepared is not None:
@@ -408,7 +409,10 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
                _fp32_precision() if dtype is _F32 else None)
     except (AttributeError, RuntimeError, TypeError):  # not tensors, nested tensors: every check
         return linear_slow(input, weight, bias, activation)
-    fn = _cache.get(key)
+    try:
+        fn = _cache.get(key)
+    except TypeError:  # an unhashable activation: the full checks raise the ValueError
+        return linear_slow(input, weight, bias, activation)
     if fn is None:
         if _fx_proxy(input, weight, bias):
             return linear_slow(input, weight, bias, activation)

@@ -203,7 +203,10 @@ def _guarded(decision: dispatch.Decision, run: Callable, torch_run: Callable) ->
 def lookup(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: str) -> Prepared:
     """The cached :class:`Prepared` for this geometry, built on first use."""
     key = _key(a, b, bias, activation, op)
-    entry = _cache.get(key)
+    try:
+        entry = _cache.get(key)
+    except TypeError:  # an unhashable activation: prepare's checks raise the ValueError
+        return prepare(a, b, bias, activation, op)
     if entry is None:
         entry = prepare(a, b, bias, activation, op)
         if len(_cache) >= CACHE_MAX:
