@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 
 ENV = ("TRITONMM_BACKEND", "TRITONMM_KERNEL", "TRITONMM_AUTOTUNE", "TRITON_INTERPRET", "TRITONMM_CONFIG_DIR")
-"""The variables a decision depends on: part of every cache key, so changing one takes effect at the next call."""
+"""The variables a decision depends on: part of every runner's cache key. The routes and their direct keys
+(:mod:`tritonmm.routes`) hold the first three, so changing one of those takes effect at the next call; a new
+config directory or interpreter setting, after :func:`tritonmm.clear_cache`."""
 _environ_data = getattr(os.environ, "_data", None)  # CPython's raw (encoded) environment: faster reads
 if isinstance(_environ_data, dict) and all(isinstance(k, bytes) for k in list(_environ_data)[:1]):
     _ENV_KEYS = tuple(os.fsencode(k) for k in ENV)

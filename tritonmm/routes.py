@@ -171,10 +171,11 @@ class Route:
             if self.forward_torch:
                 return self.torch_call(a, b, bias) if self.op == "linear" else self.torch_call(a, b)
             # (the caller checked torch.compile and jit tracing; a zero tensor, and an empty one, has address 0)
+            if (self.autocast or type(a) not in _PLAIN or type(b) not in _PLAIN or _functorch_active()
+                    or _fw_ad._current_level >= 0 or _function_modes() or _dispatch_modes()):
+                return self.slow(a, b, bias)  # (before any data pointer: fake tensors warn on theirs)
             pa, pb = a.data_ptr(), b.data_ptr()
-            if (self.autocast or type(a) not in _PLAIN or type(b) not in _PLAIN or not pa or not pb
-                    or _functorch_active() or _fw_ad._current_level >= 0 or _function_modes() or _dispatch_modes()
-                    or a.is_neg() or b.is_neg() or b.dtype is not self.dtype
+            if (not pa or not pb or a.is_neg() or b.is_neg() or b.dtype is not self.dtype
                     or (b.get_device() != self.index if self.index is not None else b.device.type != "cpu")):
                 return self.slow(a, b, bias)
             bias_key = None
