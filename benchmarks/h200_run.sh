@@ -58,7 +58,9 @@ with torch.no_grad():
         prepared = next(iter(route.runs.values()))
         launch = prepared.run.__closure__ and None
         g.update(route=route, prepared=prepared)
-        for s in ["tritonmm.matmul(a, bb)", "routes.matmul_keyed(a, bb)", "route(a, bb)", "prepared.run(a, bb, None)"]:
+        g["key"] = routes._direct_key("matmul", a, bb, None, "none")
+        for s in ["tritonmm.matmul(a, bb)", "routes.matmul_keyed(a, bb)", "route(a, bb)", "prepared.run(a, bb, None)",
+                  'routes._direct_key("matmul", a, bb, None, "none")', "routes.direct.get(key)"]:
             g["routes"] = routes
             print(f"{t(s):9.1f} ns  {s}")
         cProfile.run("for _ in range(20000): tritonmm.matmul(a, bb)", "/tmp/prof")
