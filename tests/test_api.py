@@ -4,6 +4,8 @@ what torch computes (CPU: Triton kernels through the interpreter)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritonmm
@@ -192,6 +194,50 @@ def test_an_unhashable_activation_on_a_planned_weight_raises_the_value_error(eve
     assert routes.free_ptrs.get(id(w)) == w.data_ptr()
     with pytest.raises(ValueError, match="activation"):
         tritonmm.linear(x, w, None, ["relu"])
+
+
+_CALLS = ("matmul", "matmul_t", "linear", "linear_bias_gelu", "linear_relu", "linear_grad")
+
+
+def _operand(rows, cols, layout):
+    if layout == "T":
+        return randn(cols, rows).t()
+    if layout == "sliced":
+        return randn(2 * rows, cols + 3)[::2, 3:]
+    return randn(rows, cols)
+
+
+@given(M=st.integers(1, 12), K=st.sampled_from([4, 8, 9, 16]), square=st.booleans(),
+       x_layout=st.sampled_from(["N", "T", "sliced"]), w_layout=st.sampled_from(["N", "T", "sliced"]),
+       calls=st.lists(st.sampled_from(_CALLS), min_size=3, max_size=8))
+def test_interleaved_calls_on_shared_operands_match_float64(M, K, square, x_layout, w_layout, calls):
+    """matmul and linear calls in any order on the same operands (a square weight included: matmul reads it
+    as (K, N), linear as (N, K)), with and without bias, activation and gradient, each against float64: repeat
+    calls are served by direct keys and must stay each call's own."""
+    N = K if square else K + 3
+    x, w, b = _operand(M, K, x_layout), _operand(N, K, w_layout), randn(N)
+    wk = _operand(K, N, w_layout)  # a (K, N) right operand for matmul
+    xd, wd, bd, wkd = (t.double() for t in (x, w, b, wk))
+    for call in calls:
+        if call == "matmul":
+            got, want = tritonmm.matmul(x, wk), xd @ wkd
+        elif call == "matmul_t":
+            got, want = tritonmm.matmul(x, w.t()), xd @ wd.t()
+        elif call == "linear":
+            got, want = tritonmm.linear(x, w), F.linear(xd, wd)
+        elif call == "linear_bias_gelu":
+            got, want = tritonmm.linear(x, w, b, "gelu"), F.gelu(F.linear(xd, wd, bd))
+        elif call == "linear_relu":
+            got, want = tritonmm.linear(x, w, None, "relu"), F.relu(F.linear(xd, wd))
+        else:
+            xg = x.detach().requires_grad_()
+            got = tritonmm.linear(xg, w, b)
+            got.sum().backward()
+            torch.testing.assert_close(xg.grad.double(), torch.ones(M, N, dtype=torch.float64) @ wd,
+                                       rtol=1e-4, atol=1e-4)
+            got, want = got.detach(), F.linear(xd, wd, bd)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{call}: {m}")
+    assert torch.equal(x.double(), xd) and torch.equal(w.double(), wd)  # inputs unchanged
 
 
 def test_a_deferred_route_enters_no_direct_entry():
