@@ -362,8 +362,6 @@ def _require_tensor(name: str, value, op: str) -> None:
         raise TypeError(f"tritonmm.{op}(): argument '{name}' must be Tensor, not {type(value).__name__}")
 
 
-
-
 def matmul_keyed(input: Tensor, other: Tensor) -> Tensor:
     """``tritonmm.matmul`` through the keyed cache."""
     if direct:
