@@ -244,7 +244,7 @@ def test_a_deferred_route_enters_no_direct_entry():
     """A route first-sight tuning keeps for one call only (inside CUDA-graph capture) must decide again on its
     next call: it leaves nothing in routes.direct."""
     x, w = randn(4, 16), randn(8, 16)
-    route = routes.Route(F.linear, False, "linear", "none", None, x)
+    route = routes.Route(F.linear, False, "linear", "none")
     torch.testing.assert_close(routes._deferred(route)(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert route.runs and not routes.direct
 

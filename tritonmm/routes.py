@@ -148,19 +148,16 @@ def linear_slow(x: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
 class Route:
     """A geometry that may reach a Triton kernel: ``(a, b, bias) -> Tensor``.
 
-    Plain eager calls without autograd or autocast look their runner up by the operands' strides,
-    alignment and the remaining dtypes and devices (a second, smaller key) and run it; every other
+    Plain eager calls without autograd or autocast look their runner up by their direct key
+    (:func:`_direct_key`: strides, alignments and the remaining dtypes and devices) and run it; every other
     call takes :func:`linear_slow` / :func:`matmul_slow`. Where only the backward GEMMs may reach
     Triton (``forward_torch``), calls that need no gradient go to torch directly.
     """
 
-    __slots__ = ("torch_call", "forward_torch", "op", "activation", "autocast", "runs", "dtype", "index", "cached")
+    __slots__ = ("torch_call", "forward_torch", "op", "activation", "runs", "cached")
 
-    def __init__(self, torch_call, forward_torch: bool, op: str, activation: str, autocast, a: Tensor):
+    def __init__(self, torch_call, forward_torch: bool, op: str, activation: str):
         self.torch_call, self.forward_torch, self.op, self.activation = torch_call, forward_torch, op, activation
-        self.autocast = autocast
-        self.dtype = a.dtype
-        self.index = a.get_device() if a.is_cuda else None  # CPU routes (the interpreter) check devices in full
         self.runs: dict = {}
         self.cached = False  # kept in the route cache (not a first-sight deferred one): its runners enter `direct`
 
@@ -170,22 +167,10 @@ class Route:
                 return self.slow(a, b, bias)
             if self.forward_torch:
                 return self.torch_call(a, b, bias) if self.op == "linear" else self.torch_call(a, b)
-            # (the caller checked torch.compile and jit tracing; a zero tensor, and an empty one, has address 0)
-            if (self.autocast or type(a) not in _PLAIN or type(b) not in _PLAIN or _functorch_active()
-                    or _fw_ad._current_level >= 0 or _function_modes() or _dispatch_modes()):
-                return self.slow(a, b, bias)  # (before any data pointer: fake tensors warn on theirs)
-            pa, pb = a.data_ptr(), b.data_ptr()
-            if (not pa or not pb or a.is_neg() or b.is_neg() or b.dtype is not self.dtype
-                    or (b.get_device() != self.index if self.index is not None else b.device.type != "cpu")):
-                return self.slow(a, b, bias)
-            bias_key = None
-            if bias is not None:
-                pc = bias.data_ptr()
-                if type(bias) not in _PLAIN or not pc or bias.is_neg():
-                    return self.slow(a, b, bias)
-                bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, pc & 15)
-            key = (a.shape, a.stride(), b.stride(), pa & 15, pb & 15, raw_get(_AUTOTUNE), bias_key)
+            key = _direct_key(self.op, a, b, bias, self.activation)
         except (AttributeError, RuntimeError, TypeError):  # a non-tensor, sparse or storage-less operand
+            return self.slow(a, b, bias)
+        if key is None:
             return self.slow(a, b, bias)
         prepared = self.runs.get(key)
         if prepared is None:
@@ -195,11 +180,9 @@ class Route:
                 self.runs.clear()
             prepared = self.runs[key] = runners.lookup(a, b, bias, self.activation, self.op)  # shared with explain
         if self.cached:
-            full = _direct_key(self.op, a, b, bias, self.activation)
-            if full is not None:
-                if len(direct) >= CACHE_MAX:
-                    direct.clear()
-                direct[full] = prepared
+            if len(direct) >= CACHE_MAX:
+                direct.clear()
+            direct[key] = prepared
         return prepared.run(a, b, bias)
 
     def slow(self, a, b, bias):
@@ -298,7 +281,7 @@ def _linear_entry(key, x: Tensor, weight: Tensor, bias, activation: str, autocas
     fwd = dispatch.torch_everywhere([(M, N, K, 1)], dtype, x.device)
     bwd = fwd and dispatch.torch_everywhere([(M, K, N, 1), (N, K, M, 1)], dtype, x.device)
     call = _torch_linear_call(activation)
-    fn = call if bwd else Route(call, fwd, "linear", activation, autocast, x)
+    fn = call if bwd else Route(call, fwd, "linear", activation)
     return _deferred(fn) if later else _remember(key, fn)
 
 
@@ -353,7 +336,7 @@ def _matmul_entry(key, a: Tensor, b: Tensor, autocast):
     fwd = dispatch.torch_everywhere(fwd_problems, dtype, a.device)
     bwd = fwd and dispatch.torch_everywhere(bwd_problems, dtype, a.device)
     call = _torch_matmul_call(a, b)
-    fn = call if bwd else Route(call, fwd, "matmul", "none", autocast, a)
+    fn = call if bwd else Route(call, fwd, "matmul", "none")
     return _deferred(fn) if later else _remember(key, fn)
 
 
