@@ -167,3 +167,54 @@ def test_fused_sequential_linear_activation_over_m(M, monkeypatch):
     xd = x.double().requires_grad_()
     ref(xd).sum().backward()
     torch.testing.assert_close(xb.grad.double(), xd.grad, rtol=5e-2, atol=5e-2)
+
+
+def test_decode_geometry_is_measured_once_per_machine_never_in_capture(tmp_path, monkeypatch):
+    """First-sight tuning of the gated kernel (gated_tuning): one measurement per geometry, within about a
+    second, recorded in this machine's table; none in CUDA-graph capture; a second process measures nothing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tritonmm import first_sight, gated_tuning, tuned
+
+    monkeypatch.setenv("TRITONMM_TUNED_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITONMM_FIRST_SIGHT", "1")
+    monkeypatch.delenv("TRITONMM_AUTOTUNE", raising=False)
+    tritonmm.clear_cache()
+    x, wg, wu, _, _ = _operands(3, 5632, 2048)
+    before = first_sight.stats["measured"]
+    with torch.no_grad():
+        _check(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
+        assert first_sight.stats["measured"] == before + 1
+        _check(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
+    assert first_sight.stats["measured"] == before + 1
+    (path,) = tmp_path.glob("*.json")
+    entry = tuned.read_table(path)["entries"]["bfloat16:16:5632:2048:gated_silu"]
+    print(json.dumps(entry))
+    assert entry["first_sight_s"] < 1.5 and entry["torch_us"] > 0
+    assert gated_tuning.entry(x.device, BF16, 3, 5632, 2048, "silu") == entry
+    # inside capture: nothing measured, the call served; the next eager call measures
+    x1, wg1, wu1, _, _ = _operands(1, 4096, 2048)
+    heuristic = gated_launchers.heuristic("pointer", 1, 4096, 2048, BF16, x1.device)
+    gated.forward(x1, wg1, wu1, None, None, "silu", False, kernel="pointer", config=heuristic)  # compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        h = tritonmm.gated_linear(x1, wg1, wu1)
+    graph.replay()
+    _check(h, x1, wg1, wu1)
+    assert first_sight.stats["measured"] == before + 1
+    with torch.no_grad():
+        _check(tritonmm.gated_linear(x1, wg1, wu1), x1, wg1, wu1)
+    assert first_sight.stats["measured"] == before + 2
+    code = ("import torch, tritonmm; from tritonmm import first_sight; "
+            "x = torch.randn(3, 2048, device='cuda', dtype=torch.bfloat16); "
+            "w = torch.randn(5632, 2048, device='cuda', dtype=torch.bfloat16); tritonmm.gated_linear(x, w, w.clone()); "
+            "print(first_sight.stats['measured'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITONMM_TUNED_DIR": str(tmp_path), "TRITONMM_FIRST_SIGHT": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "0"
+    tritonmm.clear_cache()

@@ -115,8 +115,8 @@ def test_autocast_with_fp32_weights_casts_once_and_returns_fp32_gradients(monkey
     mlp = MLP(hidden=32, inter=24)
     fused = tritonmm.fuse(copy.deepcopy(mlp))
     casts = []
-    real = gated._PackedCast.forward
-    monkeypatch.setattr(gated._PackedCast, "forward", staticmethod(lambda ctx, *a: casts.append(1) or real(ctx, *a)))
+    real = packing.PackedCast.forward
+    monkeypatch.setattr(packing.PackedCast, "forward", staticmethod(lambda ctx, *a: casts.append(1) or real(ctx, *a)))
     x = randn(40, 32)
     xs = [x.clone().requires_grad_() for _ in range(2)]
     with torch.autocast("cpu", dtype=torch.bfloat16):

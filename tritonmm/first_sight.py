@@ -151,27 +151,41 @@ def tune(device: torch.device, dtype: torch.dtype, todo: list[tuple]) -> tuple[i
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
         for M, N, K, tag in pending(device, dtype, todo):  # again under the lock: another thread may have measured it
-            key = tuned.entry_key(dtype, M, N, K, tag)
-            _tried.add((index, key))
-            t0 = _clock()
-            try:
-                with torch.cuda.device(index):  # timing events and launches on the problem's GPU
-                    entry = measure(torch.device("cuda", index), dtype, M, N, K, tag)
-            except Exception as exc:  # noqa: BLE001 - out of memory, a driver error: never the caller's failure
-                warnings.warn(f"tritonmm: first-sight tuning of {key} failed ({type(exc).__name__}: "
-                              f"{str(exc)[:200]}); cuBLAS serves it", RuntimeWarning, stacklevel=2)
-                continue
-            entry["first_sight_s"] = round(_clock() - t0, 3)
-            stats["measured"] += 1
-            stats["seconds"] += entry["first_sight_s"]
-            try:
-                tuned.record(torch.device("cuda", index), {key: entry})
-            except OSError as exc:  # a read-only home, a full disk: the entry holds in this process
-                warnings.warn(f"tritonmm: could not write this machine's tuned table ({exc}); the first-sight "
-                              f"entry {key} holds in this process only", RuntimeWarning, stacklevel=2)
-            count += 1
-            changed |= entry["backend"] == "triton" or entry.get("kernel") == "padded"
+            entry = measure_and_record(index, tuned.entry_key(dtype, M, N, K, tag),
+                                       lambda: measure(torch.device("cuda", index), dtype, M, N, K, tag))
+            if entry is not None:
+                count += 1
+                changed |= entry["backend"] == "triton" or entry.get("kernel") == "padded"
     return count, changed
+
+
+def measure_and_record(index: int, key: str, measure_fn) -> dict | None:
+    """Run ``measure_fn()`` (a table entry for ``key``, measured on GPU ``index``) once in this process, add its
+    seconds to :data:`stats` and record it (:func:`tuned.record`). Returns the entry, or None where the
+    measurement failed (one RuntimeWarning: the caller serves the geometry as without it). Hold :data:`_lock`."""
+    _tried.add((index, key))
+    t0 = _clock()
+    try:
+        with torch.cuda.device(index):  # timing events and launches on the problem's GPU
+            entry = measure_fn()
+    except Exception as exc:  # noqa: BLE001 - out of memory, a driver error: never the caller's failure
+        warnings.warn(f"tritonmm: first-sight tuning of {key} failed ({type(exc).__name__}: "
+                      f"{str(exc)[:200]}); served as without it", RuntimeWarning, stacklevel=3)
+        return None
+    entry["first_sight_s"] = round(_clock() - t0, 3)
+    stats["measured"] += 1
+    stats["seconds"] += entry["first_sight_s"]
+    try:
+        tuned.record(torch.device("cuda", index), {key: entry})
+    except OSError as exc:  # a read-only home, a full disk: the entry holds in this process
+        warnings.warn(f"tritonmm: could not write this machine's tuned table ({exc}); the first-sight "
+                      f"entry {key} holds in this process only", RuntimeWarning, stacklevel=3)
+    return entry
+
+
+def tried(index: int, key: str) -> bool:
+    """Whether ``key`` was measured (or its measurement failed) on GPU ``index`` in this process."""
+    return (index, key) in _tried
 
 
 _clock = time.perf_counter
@@ -205,7 +219,6 @@ def candidates(plan, dtype: torch.dtype, device: torch.device, keep: int = 8) ->
 def measure(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, tag: str) -> dict:
     """One table entry for the problem, measured now (module docstring); see :func:`tuned.choose`."""
     from . import runners, shapes
-    from .testing import rounding_unit
 
     t0 = _clock()
     gen = torch.Generator(device=device).manual_seed(0)  # the caller's random state stays untouched
@@ -218,42 +231,63 @@ def measure(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, ta
     res = {"tag": "first-sight", "M": M, "N": N, "K": K, "dtype": str(dtype).removeprefix("torch."),
            "layout": tag, "torch_us": torch_us, "configs": []}
     if torch_us >= MIN_TORCH_US:
-        ref = cublas()
-        bound = 4 * rounding_unit(dtype, device) * ref.abs().max().item()
         plan = shapes.plan(a, b)
-        runs, longest = [], 0.0
-        # long GEMMs: fewer candidates, so the timing of all of them stays within about a second
-        for kernel, config in candidates(plan, dtype, device, keep=max(2, min(8, int(CANDIDATE_US / torch_us)))):
-            start = _clock()
-            if res["configs"] and start - t0 + longest > COMPILE_BUDGET_S:  # the next compile would overrun it
-                break
-            entry = {"kernel": kernel, "config": config}
+
+        def contender(kernel, config):
             decision = dispatch.Decision("triton", kernel, "first-sight candidate", config=config,
                                          copies=layout.tma_copies(plan) if kernel == "tma" else ())
-            try:
+
+            def build():
                 run = runners.build(plan, decision, dtype, device)
-                err = (run(a, b, None) - ref).abs_().max().item()  # in the output dtype: one temporary
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile or run is recorded, not fatal
-                entry["failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            else:
-                if not err <= bound:
-                    entry["failed"] = f"differs from cuBLAS by {err:.3e} > {bound:.3e}"
-                else:
-                    runs.append((entry, lambda run=run: run(a, b, None)))
-            res["configs"].append(entry)
-            longest = max(longest, _clock() - start)
-        if runs:  # a sweep over every candidate, then the fastest against cuBLAS for longer
-            sweep = _times([cublas] + [fn for _, fn in runs], SWEEP_MS)
-            for (entry, _), us in zip(runs, sweep[1:]):
-                entry["us"] = us
-            best, fn = min(runs, key=lambda r: r[0]["us"])
-            t_torch, t_best = _times([cublas, fn], PAIR_MS)
-            res["paired"] = {"kernel": best["kernel"], "config": best["config"], "torch_us": t_torch, "us": t_best}
+                return lambda: run(a, b, None)
+            return {"kernel": kernel, "config": config}, build
+
+        # long GEMMs: fewer candidates, so the timing of all of them stays within about a second
+        keep = max(2, min(8, int(CANDIDATE_US / torch_us)))
+        race(res, cublas, [contender(k, c) for k, c in candidates(plan, dtype, device, keep=keep)], t0)
     entry = tuned.choose([res], MIN_GAIN, MIN_GAIN_US)
     if torch_us < MIN_TORCH_US:
         entry["note"] = (f"cuBLAS took {torch_us:.1f} µs, too short for a Triton kernel to save "
                          f"{dispatch.TRITON_MIN_SAVING_US:g} µs")
     return entry
+
+
+def race(res: dict, baseline, contenders, t0: float, ulps: float = 4, budget: float = COMPILE_BUDGET_S) -> None:
+    """Time ``baseline`` (a callable, the torch call) against ``contenders`` into ``res`` (its ``configs``):
+    ``(entry, build)`` pairs in order, ``build()`` compiling one and returning its call. Each is built and
+    checked against the baseline's result (``ulps`` rounding units of its largest value) until ``budget``
+    seconds (:data:`COMPILE_BUDGET_S`) after ``t0`` (nor one whose compile, at the longest so far, would end later);
+    then the baseline and every checked contender are timed in alternation (``us`` of each entry) and the
+    fastest against the baseline once more for longer (``res["paired"]``). A contender that fails to build
+    or run, or differs, is recorded as ``failed``."""
+    from .testing import rounding_unit
+
+    ref = baseline()
+    bound = ulps * rounding_unit(ref.dtype, ref.device) * ref.abs().max().item()
+    runs, longest = [], 0.0
+    for entry, build in contenders:
+        start = _clock()
+        if res["configs"] and start - t0 + longest > budget:  # the next compile would overrun it
+            break
+        try:
+            fn = build()
+            err = (fn() - ref).abs_().max().item()  # in the output dtype: one temporary
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile or run is recorded, not fatal
+            entry["failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        else:
+            if not err <= bound:
+                entry["failed"] = f"differs from the torch call by {err:.3e} > {bound:.3e}"
+            else:
+                runs.append((entry, fn))
+        res["configs"].append(entry)
+        longest = max(longest, _clock() - start)
+    if runs:  # a sweep over every candidate, then the fastest against the baseline for longer
+        sweep = _times([baseline] + [fn for _, fn in runs], SWEEP_MS)
+        for (entry, _), us in zip(runs, sweep[1:]):
+            entry["us"] = us
+        best, fn = min(runs, key=lambda r: r[0]["us"])
+        t_torch, t_best = _times([baseline, fn], PAIR_MS)
+        res["paired"] = {"kernel": best["kernel"], "config": best["config"], "torch_us": t_torch, "us": t_best}
 
 
 def forget() -> None:

@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import activations, device as _device, gated_cublas, gated_grads, modes, routes, runners
+from . import activations, device as _device, gated_cublas, gated_grads, gated_tuning, modes, routes, runners
 from ._env import raw_name
+from .packing import PackedCast
 
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _KERNEL_DTYPES = gated_cublas.KERNEL_DTYPES
@@ -123,7 +124,6 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
     this problem) for up to :data:`GATED_MAX_M` rows or where ``kernel`` is given; else cuBLAS
     projections (one GEMM where the weights are packed and ``pack``; g and u are then the halves of its
     output) and the one-pass product."""
-    from .kernels.gated_launchers import gated_launcher
     from .kernels.launch import LAUNCH_FAILURES
 
     N, K = w_gate.shape
@@ -133,16 +133,21 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
         return gated_cublas.forward(x, w_gate, w_up, b_gate, b_up, activation, save, pack)
     x2 = _unit_last(x.reshape(-1, K))
     w_gate, w_up = _unit_last(w_gate), _unit_last(w_up)
+    auto = kernel is None and config is None
     if kernel is None or kernel == "tma" and not _tma_ok(x2, w_gate, w_up):
         kernel = choose_kernel(x2, w_gate, w_up)
-    bias_strides = None if b_gate is None else (b_gate.stride(0), b_up.stride(0))
     key = _launcher_key(kernel, x2, w_gate, w_up, b_gate, b_up, save, activation, config)
     launch = _launchers.get(key)
     if launch is None:
-        if len(_launchers) >= _LAUNCHERS_MAX:
-            _launchers.clear()
-        launch = _launchers[key] = gated_launcher(kernel, M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0),
-                                                  x.dtype, x.device, bias_strides, save, activation, config)
+        launch, keep = _new_launcher(kernel, x2, w_gate, w_up, b_gate, b_up, save, activation, config, auto)
+        if keep:
+            if len(_launchers) >= _LAUNCHERS_MAX:
+                _launchers.clear()
+            _launchers[key] = launch
+    if launch is _TORCH:  # measured faster than the kernel here (gated_tuning)
+        gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+        h = activations.apply(gate, activation) * up
+        return (h, gate.reshape(M, N), up.reshape(M, N)) if save else (h, None, None)
     out = _empty((*lead, N), dtype=x.dtype, device=x.device)  # not a view: in-place use stays allowed
     h = out.view(M, N)
     g = u = None
@@ -157,6 +162,27 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
                       "torch serves this geometry", runners.KernelFailedWarning, stacklevel=3)
         _launchers[key](x2, w_gate, w_up, b_gate, b_up, h, g, u)
     return out, g, u
+
+
+_TORCH = "torch"
+"""A launcher slot's value where the torch expression serves the geometry (:mod:`tritonmm.gated_tuning`)."""
+
+
+def _new_launcher(kernel, x2, w_gate, w_up, b_gate, b_up, save, activation, config, auto):
+    """(launcher or :data:`_TORCH`, keep). Auto calls (no kernel or config given) take the config or torch
+    decision of this GPU's table or a first-sight measurement (:func:`gated_tuning.choose`); ``keep``: False
+    where that measurement is due at the next eager call."""
+    from .kernels.gated_launchers import gated_launcher
+
+    keep = True
+    if auto:
+        config, keep = gated_tuning.choose(kernel, x2, w_gate, b_gate is not None, activation)
+        if config == _TORCH:
+            return _TORCH, keep
+    (M, K), N = x2.shape, w_gate.shape[0]
+    bias_strides = None if b_gate is None else (b_gate.stride(0), b_up.stride(0))
+    return gated_launcher(kernel, M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0), x2.dtype, x2.device,
+                          bias_strides, save, activation, config), keep
 
 
 def _launcher_key(kernel, x2, w_gate, w_up, b_gate, b_up, save, activation, config) -> tuple:
@@ -237,30 +263,8 @@ def _autocast(x: Tensor, w_gate, w_up, b_gate, b_up):
     cast = routes._cast
     if b_gate is None and b_up is None and w_gate.is_floating_point() and w_gate.dtype not in (dtype, torch.float64) \
             and gated_cublas.packed(w_gate, w_up) is not None:  # one cast, whose halves stay packed
-        return (cast(x, dtype), *_PackedCast.apply(w_gate, w_up, dtype), None, None)
+        return (cast(x, dtype), *PackedCast.apply(w_gate, w_up, dtype), None, None)
     return cast(x, dtype), cast(w_gate, dtype), cast(w_up, dtype), cast(b_gate, dtype), cast(b_up, dtype)
-
-
-class _PackedCast(torch.autograd.Function):
-    """Packed weights (:func:`gated_cublas.packed`) cast as one tensor, returned as its two halves (so that
-    they stay packed: one GEMM); the gradients cast back, as autocast's casts are differentiated."""
-
-    @staticmethod
-    def forward(ctx, w_gate, w_up, dtype):
-        ctx.dtype = w_gate.dtype  # (packed weights have one dtype)
-        w = gated_cublas.packed(w_gate, w_up).to(dtype)
-        N = w_gate.shape[0]
-        return w[:N], w[N:]
-
-    @staticmethod
-    def backward(ctx, d_gate, d_up):
-        dtype = ctx.dtype
-        d = gated_cublas.packed(d_gate, d_up) if d_gate is not None and d_up is not None else None
-        if d is not None:
-            d = d.to(dtype)  # one cast
-            N = d_gate.shape[0]
-            return d[:N], d[N:], None
-        return (None if d_gate is None else d_gate.to(dtype), None if d_up is None else d_up.to(dtype), None)
 
 
 def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
@@ -363,7 +367,10 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
         launch = _launchers.get(_launcher_key(kernel, x2, wg, wu, bg, bu, False, activation, None))
         if launch is None or isinstance(launch, functools.partial) or M == 0:  # not built, failed, or empty
             return
-        if view and not contiguous:  # (the key fixes x's shape and strides, so every call's x is such a view)
+        if launch is _TORCH:
+            def run(x, wg, wu, bg, bu):  # measured faster than the kernel (gated_tuning)
+                return activations.apply(_F_linear(x, wg, bg), activation) * _F_linear(x, wu, bu)
+        elif view and not contiguous:  # (the key fixes x's shape and strides, so every call's x is such a view)
             def run(x, wg, wu, bg, bu):
                 h = _empty(out_shape, dtype=dtype, device=device)  # contiguous: (M, N) in memory
                 launch(x, wg, wu, bg, bu, h, None, None)

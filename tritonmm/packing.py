@@ -127,3 +127,25 @@ def unpack(*modules: nn.Module) -> bool:
                     p.data = p.data.clone()
     _moved.pop(first, None)
     return True
+
+
+class PackedCast(torch.autograd.Function):
+    """Packed weights (:func:`stacked`) cast as one tensor, returned as its two halves (so that
+    they stay packed: one GEMM); the gradients cast back, as autocast's casts are differentiated."""
+
+    @staticmethod
+    def forward(ctx, w_gate, w_up, dtype):
+        ctx.dtype = w_gate.dtype  # (packed weights have one dtype)
+        w = stacked((w_gate, w_up)).to(dtype)
+        N = w_gate.shape[0]
+        return w[:N], w[N:]
+
+    @staticmethod
+    def backward(ctx, d_gate, d_up):
+        dtype = ctx.dtype
+        d = stacked((d_gate, d_up)) if d_gate is not None and d_up is not None else None
+        if d is not None:
+            d = d.to(dtype)  # one cast
+            N = d_gate.shape[0]
+            return d[:N], d[N:], None
+        return (None if d_gate is None else d_gate.to(dtype), None if d_up is None else d_up.to(dtype), None)

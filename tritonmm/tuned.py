@@ -29,6 +29,7 @@ import warnings
 import torch
 
 from . import layout
+from .activations import ACTIVATIONS
 from .kernels.configs import bucket, config_dir, validate
 from .shapes import Plan
 
@@ -89,13 +90,15 @@ def user_dir() -> pathlib.Path:
 
 _KEY_DTYPES = ("float16", "bfloat16", "float32")
 _KEY_LAYOUTS = ("nn", "nt", "tn", "tt")
+GATED = tuple(f"gated_{a}" for a in ACTIVATIONS if a != "none")
+"""Layout parts of gated linear keys (:mod:`tritonmm.gated_tuning`): ``dtype:M:N:K:gated_<activation>``."""
 
 
 def _check_key(key) -> None:
-    """Raise ValueError unless ``key`` reads ``dtype:M:N:K:layout`` (:func:`entry_key`)."""
+    """Raise ValueError unless ``key`` reads ``dtype:M:N:K:layout`` (:func:`entry_key`; or a :data:`GATED` part)."""
     parts = key.split(":") if isinstance(key, str) else []
     if not (len(parts) == 5 and parts[0] in _KEY_DTYPES and all(x.isdigit() and int(x) > 0 for x in parts[1:4])
-            and parts[4] in _KEY_LAYOUTS):
+            and (parts[4] in _KEY_LAYOUTS or parts[4] in GATED)):
         raise ValueError(f"key {key!r} is not dtype:M:N:K:layout")
 
 
@@ -110,8 +113,9 @@ def _check_entry(key, e) -> None:
                 not isinstance(e.get(timing), (int, float)) or isinstance(e.get(timing), bool)):
             raise ValueError(f"entry {key!r}: {timing} is not a number")
     if e["backend"] == "triton" or e.get("config") is not None:  # a torch entry names its fastest Triton config
+        from .kernels import gated_launchers  # (imports triton: on use)
         try:
-            validate(e.get("kernel"), e.get("config"))
+            (gated_launchers.validate if key.endswith(GATED) else validate)(e.get("kernel"), e.get("config"))
         except ValueError as exc:
             raise ValueError(f"entry {key!r}: {exc}") from None
 
@@ -384,8 +388,8 @@ def weight_used(index: int, dtypes: tuple, N: int, K: int, min_saving_us: float,
     gradient (N, K, any M; or K, N, any M for a matmul operand)."""
     names = {str(d).removeprefix("torch.") for d in dtypes}
     for key, e in _table_for(index).items():
-        dtype, m, n, k, _ = key.split(":")
-        if dtype not in names or not (e.get("kernel") == "padded" or e.get("backend") == "triton" and saves(e, min_saving_us)):
+        dtype, m, n, k, lay = key.split(":")
+        if dtype not in names or lay in GATED or not (e.get("kernel") == "padded" or e.get("backend") == "triton" and saves(e, min_saving_us)):
             continue
         n, k, m = int(n), int(k), int(m)
         if (n, k) == (N, K):

@@ -1,0 +1,241 @@
+"""The gated linear's kernel choice at decode sizes: table entries, first-sight measurement, their use."""
+
+import json
+import types
+
+import pytest
+import torch
+
+import tritonmm
+from tritonmm import first_sight, gated, gated_tuning, tuned
+from tritonmm.kernels import gated_launchers
+
+from test_gated import assert_close_to_ref, operands
+
+CFG = dict(gated_launchers._candidates("pointer")[0])
+KEY = "bfloat16:16:64:64:gated_silu"
+
+
+def _entry(backend="triton", config=CFG, **kw):
+    return {"backend": backend, "kernel": "pointer", "config": config, "torch_us": 10.0, "triton_us": 8.0, **kw}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    tritonmm.clear_cache()
+    yield
+    tritonmm.clear_cache()
+
+
+def _write(path, entries):
+    table = {"format": tuned.FORMAT, "capability": [9, 0], "sms": 132, "triton": "3.6.0", "entries": entries}
+    path.write_text(json.dumps(table))
+    return path
+
+
+def test_gated_entries_are_table_entries_with_gated_configs(tmp_path):
+    good = {KEY: _entry(), "float16:1:64:64:gated_gelu_tanh": _entry("torch", None, triton_us=None)}
+    assert tuned.parse_table(_write(tmp_path / "a.json", good))["entries"] == good
+    bad_configs = [{**CFG, "SPLIT_K": 1}, {k: v for k, v in CFG.items() if k != "BLOCK_K"}, {**CFG, "BLOCK_M": 0}]
+    for config in bad_configs:  # a plain GEMM's config, a missing field, a zero
+        with pytest.raises(ValueError, match="gated pointer config"):
+            tuned.parse_table(_write(tmp_path / "b.json", {KEY: _entry(config=config)}))
+    for key in ("bfloat16:16:64:64:gated_none", "bfloat16:16:64:64:gated_swish"):
+        with pytest.raises(ValueError, match="is not dtype:M:N:K:layout"):
+            tuned.parse_table(_write(tmp_path / "c.json", {key: _entry()}))
+
+
+def test_gated_entries_do_not_mark_weights_for_the_plain_gemm(monkeypatch):
+    monkeypatch.setattr(tuned, "_table_for", lambda index: {KEY: _entry()})
+    tuned.weight_used.cache_clear()
+    assert not tuned.weight_used(0, (torch.bfloat16,), 64, 64, 0.0)
+    monkeypatch.setattr(tuned, "_table_for", lambda index: {"bfloat16:16:64:64:nt": {**_entry(), "config": {
+        **gated_launchers._plain_equivalent(CFG), "SPLIT_K": 1, "EPILOGUE_SUBTILE": 0}}})
+    tuned.weight_used.cache_clear()
+    assert tuned.weight_used(0, (torch.bfloat16,), 64, 64, 0.0)  # (the control: a plain entry does)
+    tuned.weight_used.cache_clear()
+
+
+def _fake_call(M=4, N=64, K=64, dtype=torch.bfloat16):
+    """Stand-ins for a CUDA call's x2 and weight (choose reads their device, dtype and shapes only)."""
+    x2 = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=torch.Size([M, K]))
+    return x2, types.SimpleNamespace(shape=torch.Size([N, K]))
+
+
+@pytest.fixture
+def measuring(monkeypatch):
+    """First-sight tuning on, an empty table, measurements recorded in ``calls`` (entry: ``result[0]``)."""
+    monkeypatch.setenv("TRITONMM_FIRST_SIGHT", "1")
+    monkeypatch.delenv("TRITONMM_AUTOTUNE", raising=False)
+    table, calls, result = {}, [], [_entry()]
+    monkeypatch.setattr(tuned, "_table_for", lambda index: table)
+    monkeypatch.setattr(first_sight, "_not_now", lambda: False)
+
+    def measure_and_record(index, key, fn):
+        first_sight._tried.add((index, key))
+        calls.append(key)
+        table[key] = result[0]
+        return result[0]
+    monkeypatch.setattr(first_sight, "measure_and_record", measure_and_record)
+    return types.SimpleNamespace(table=table, calls=calls, result=result)
+
+
+def test_choose_measures_a_new_geometry_once(measuring, monkeypatch):
+    x2, w = _fake_call()
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == (CFG, True)
+    assert measuring.calls == [KEY]  # (M = 4: the M <= 16 bucket)
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == (CFG, True)
+    assert len(measuring.calls) == 1  # the entry serves
+    measuring.result[0] = _entry("torch")
+    x2, w = _fake_call(M=1)
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == ("torch", True)
+    assert measuring.calls[-1] == "bfloat16:1:64:64:gated_silu"
+    # an entry of another kernel's config does not serve this kernel: autotuning does
+    x2, w = _fake_call(M=4, N=128)
+    measuring.result[0] = {**_entry(), "kernel": "tma"}
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == (None, True)
+
+
+def test_choose_waits_out_capture_and_modes_and_reads_priors_again(measuring, monkeypatch):
+    x2, w = _fake_call()
+    monkeypatch.setattr(first_sight, "_not_now", lambda: True)
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == (None, False)  # nothing kept: measured later
+    measuring.table[KEY] = {**_entry(), "prior": "3.5.0"}
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == (CFG, False)  # the prior serves meanwhile
+    monkeypatch.setattr(first_sight, "_not_now", lambda: False)
+    measuring.result[0] = _entry("torch")
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == ("torch", True)
+    assert measuring.calls == [KEY]
+
+
+@pytest.mark.parametrize("env", [{"TRITONMM_FIRST_SIGHT": "0"}, {"TRITONMM_AUTOTUNE": "0"}])
+def test_with_first_sight_off_entries_serve_and_nothing_is_measured(measuring, monkeypatch, env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    x2, w = _fake_call()
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == (None, True)
+    measuring.table[KEY] = _entry("torch")
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == ("torch", True)
+    x2, w = _fake_call(dtype=torch.float16)  # the sibling dtype's entry
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == ("torch", True)
+    assert measuring.calls == []
+
+
+def test_cpu_tensors_take_no_table(measuring):
+    x, wg, *_ = operands(4, 64, 64, torch.bfloat16)
+    assert gated_tuning.choose("pointer", x, wg, False, "silu") == (None, True)
+    assert measuring.calls == []
+
+
+def _spy_launchers(monkeypatch):
+    built = []
+    real = gated_launchers.gated_launcher
+
+    def spy(*args):
+        built.append(args[-1])  # the config
+        return real(*args)
+    monkeypatch.setattr(gated_launchers, "gated_launcher", spy)
+    return built
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_torch_decision_runs_the_torch_expression_also_on_replay(monkeypatch, bias):
+    decisions = []
+    monkeypatch.setattr(gated_tuning, "choose", lambda *a: decisions.append(a[-1]) or ("torch", True))
+    built = _spy_launchers(monkeypatch)
+    x, wg, wu, bg, bu = operands(3, 48, 32, torch.float32, bias)
+    want = gated.reference(x, wg, wu, bg, bu, "gelu")
+    for _ in range(3):  # the first call decides, the next ones replay (gated._fast)
+        torch.testing.assert_close(tritonmm.gated_linear(x, wg, wu, bg, bu, "gelu"), want, rtol=0, atol=0)
+    assert decisions == ["gelu"] and built == [] and len(gated._fast) == 1
+    # with gradients: the torch expression's values and gradients
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu) + ((bg, bu) if bias else ())]
+    out = tritonmm.gated_linear(*leaves[:3], *(leaves[3:] or (None, None)), "gelu")
+    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    ref = gated.reference(*ref_leaves[:3], *(ref_leaves[3:] or (None, None)), "gelu")
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    for got, exp in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, exp.grad, rtol=1e-5, atol=1e-5)  # (backward: gated_grads)
+    assert built == []
+
+
+@pytest.mark.interpreter
+def test_a_config_decision_builds_that_config_and_a_deferred_one_is_not_kept(monkeypatch):
+    cfg = {**CFG, "BLOCK_N": 16, "BLOCK_K": 32}
+    answer = [(cfg, True)]
+    monkeypatch.setattr(gated_tuning, "choose", lambda *a: answer[0])
+    built = _spy_launchers(monkeypatch)
+    x, wg, wu, bg, bu = operands(5, 40, 48, torch.float32)
+    with torch.no_grad():
+        assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
+        assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
+    assert built == [cfg]  # built once, then replayed
+    # a measurement due later (capture): the call is served, nothing kept, the next call asks again
+    answer[0] = (None, False)
+    x, wg, wu, bg, bu = operands(6, 40, 48, torch.float32)
+    for _ in range(2):
+        with torch.no_grad():
+            assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
+    assert built[1:] == [None, None]  # (no config: the launcher's own, autotuned or the heuristic's)
+    # a kernel or config the caller names is not looked up
+    answer[0] = ("torch", True)
+    h, _, _ = gated.forward(x, wg, wu, None, None, "silu", False, kernel="pointer")
+    assert_close_to_ref(h, x, wg, wu)
+    assert len(built) == 4
+
+
+class _Clock:
+    def __init__(self, step):
+        self.t, self.step = 0.0, step
+
+    def __call__(self):
+        self.t += self.step
+        return self.t
+
+
+def _measure(monkeypatch, times, corrupt=None, step=0.01):
+    """gated_tuning.measure on CPU tensors (interpreter) with fake GPU times: ``times`` = [torch expression,
+    then each checked candidate by index]."""
+    built = []
+    real = gated_launchers.gated_launcher
+
+    def building(*args):
+        launch = real(*args)
+        built.append(args[-1])
+        if corrupt is not None and len(built) - 1 == corrupt:
+            def wrong(x, wg, wu, bg, bu, h, g, u):
+                launch(x, wg, wu, bg, bu, h, g, u)
+                h.add_(1.0)
+            return wrong
+        return launch
+    known = {}
+
+    def fake_times(fns, rep_ms):
+        for fn in fns:
+            fn()
+        if len(fns) > 2 or not known:
+            known.update({id(fn): times[1 + i] for i, fn in enumerate(fns[1:])})
+        return [times[0]] + [known[id(fn)] for fn in fns[1:]]
+    monkeypatch.setattr(gated_launchers, "gated_launcher", building)
+    monkeypatch.setattr(first_sight, "_times", fake_times)
+    monkeypatch.setattr(first_sight, "_clock", _Clock(step))
+    return gated_tuning.measure(torch.device("cpu"), torch.bfloat16, 4, 128, 128, "silu", keep=3), built
+
+
+@pytest.mark.interpreter
+def test_measure_keeps_the_kernel_only_where_it_is_faster(monkeypatch):
+    entry, built = _measure(monkeypatch, [20.0, 19.0, 15.0, 17.0])
+    assert [c["BLOCK_M"] for c in built] == sorted(c["BLOCK_M"] for c in built)  # the least padding first
+    assert len(built) == 3 and entry["backend"] == "triton" and entry["config"] == built[1]
+    assert entry["torch_us"] == 20.0 and entry["triton_us"] == 15.0
+    # the second candidate computes a wrong result: it is not timed (the checked ones take the times in order)
+    entry, built = _measure(monkeypatch, [20.0, 19.0, 15.0], corrupt=1)
+    assert len(built) == 3 and entry["backend"] == "triton" and entry["config"] == built[2]
+    entry, _ = _measure(monkeypatch, [20.0, 21.0, 20.0, 25.0])  # none faster: the torch expression
+    assert entry["backend"] == "torch"
+    # a whole entry, as the table takes it
+    tuned._check_entry("bfloat16:16:128:128:gated_silu", entry)
