@@ -165,3 +165,21 @@ def test_tune_model_measures_once_and_the_dispatcher_reads_it(tmp_path, monkeypa
     finally:
         monkeypatch.undo()
         tritonmm.clear_cache()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bias", [False, True])
+def test_geometries_record_fused_mlps_gated_linears(bias):
+    """A fused MLP's gate and up projections are one gated linear (tritonmm::gated_linear): recorded with its
+    activation and biases; its down projection as a GEMM."""
+    from test_gated import MLP
+
+    torch.manual_seed(0)
+    model = tritonmm.fuse(MLP(hidden=32, inter=48, act=nn.GELU(), bias=bias), pack=False)
+    with torch.no_grad():
+        suite = capture.geometries(model, torch.randn(2, 3, 32))
+    assert suite["gated"] == [{"M": 6, "N": 48, "K": 32, "dtype": "float32", "activation": "gelu", "bias": bias,
+                               "calls": 1}]
+    assert ("float32", 6, 32, 48, "nt") in _got(suite)
+    suite = capture.geometries(_mlp(), torch.randn(2, 32))
+    assert suite["gated"] == []

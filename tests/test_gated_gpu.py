@@ -218,3 +218,25 @@ def test_decode_geometry_is_measured_once_per_machine_never_in_capture(tmp_path,
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "0"
     tritonmm.clear_cache()
+
+
+def test_tune_model_measures_a_fused_mlps_decode_geometry_once(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from tritonmm import gated_tuning
+
+    monkeypatch.setenv("TRITONMM_TUNED_DIR", str(tmp_path))
+    tritonmm.clear_cache()
+    torch.manual_seed(0)
+    mlp = tritonmm.fuse(LlamaMLP(transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816)).cuda().to(BF16))
+    x = randn(1, 4, 1024, dtype=BF16, device="cuda")
+    with torch.no_grad():
+        first = tritonmm.tune_model(mlp, x)
+        assert first["measured"] >= 1
+        assert gated_tuning.entry(x.device, BF16, 4, 2816, 1024, "silu")["first_sight_s"] > 0
+        assert tritonmm.tune_model(mlp, x)["measured"] == 0
+        want = gated.reference(x.double(), mlp.gate_proj.weight.double(), mlp.up_proj.weight.double())
+        torch.testing.assert_close(mlp.down_proj.weight.double() @ want[0].t(), mlp(x)[0].double().t(),
+                                   rtol=3e-2, atol=3e-2)
+    tritonmm.clear_cache()

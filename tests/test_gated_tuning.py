@@ -239,3 +239,16 @@ def test_measure_keeps_the_kernel_only_where_it_is_faster(monkeypatch):
     assert entry["backend"] == "torch"
     # a whole entry, as the table takes it
     tuned._check_entry("bfloat16:16:128:128:gated_silu", entry)
+
+
+def test_tune_measures_only_what_no_table_of_this_release_holds(measuring, monkeypatch):
+    dev = torch.device("cuda", 0)
+    assert gated_tuning.tune(dev, torch.bfloat16, 4, 64, 64, "silu") is not None
+    assert measuring.calls == [KEY]
+    assert gated_tuning.tune(dev, torch.bfloat16, 4, 64, 64, "silu") is None  # recorded: held
+    assert gated_tuning.tune(dev, torch.float16, 4, 64, 64, "silu") is None  # the sibling dtype's entry holds
+    assert gated_tuning.tune(dev, torch.float32, 4, 64, 64, "silu") is None  # not a first-sight dtype
+    measuring.table["bfloat16:16:128:64:gated_relu"] = {**_entry(), "prior": "3.5.0"}
+    assert gated_tuning.tune(dev, torch.bfloat16, 4, 128, 64, "relu") is not None  # a prior: measured again
+    assert gated_tuning.tune(dev, torch.bfloat16, 4, 128, 64, "relu") is None  # once per process
+    assert measuring.calls == [KEY, "bfloat16:16:128:64:gated_relu"]

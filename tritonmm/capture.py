@@ -3,7 +3,9 @@
 :func:`geometries` runs the model once under a ``TorchDispatchMode`` and records every 2-D GEMM it
 sees (``aten.mm``, ``aten.addmm`` and tritonmm's own ops, so swapped, patched and plain models
 record alike) as the shape-suite rows that ``python -m tritonmm.tune`` measures: M, N, K, dtype and
-the operand layout ("nn": B row-major, "nt": B an ``nn.Linear`` weight read transposed). GEMMs
+the operand layout ("nn": B row-major, "nt": B an ``nn.Linear`` weight read transposed); and the gated
+linears of fused MLPs (``tritonmm::gated_linear``), which :func:`tritonmm.tune_model` measures as
+first-sight tuning would (:mod:`tritonmm.gated_tuning`). GEMMs
 whose A is transposed (the weight gradient ``grad_out.T @ x``) are counted but not listed: the tuner
 measures row-major A only.
 """
@@ -29,6 +31,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.rows: dict = {}
+        self.gated: dict = {}
         self.skipped = 0
 
     def _add(self, a: torch.Tensor, b: torch.Tensor, layout: str | None = None) -> None:
@@ -59,7 +62,18 @@ class _Recorder(TorchDispatchMode):
                 self._add(x, w.t(), "nt")
         elif packet is torch.ops.tritonmm.matmul:
             self._add(args[0], args[1])
+        elif packet is torch.ops.tritonmm.gated_linear:
+            self._add_gated(*args[:6])
         return func(*args, **kwargs)
+
+    def _add_gated(self, x, w_gate, w_up, b_gate, b_up, activation) -> None:
+        """Record a gated linear (:func:`tritonmm.gated_linear`): its M, N, K, dtype, activation and biases."""
+        if w_gate.dim() != 2 or x.dim() < 1 or x.dtype not in _DTYPES:
+            return
+        M, (N, K) = math.prod(x.shape[:-1]), w_gate.shape
+        if 0 not in (M, N, K):
+            key = (str(x.dtype).removeprefix("torch."), M, N, K, activation, b_gate is not None)
+            self.gated[key] = self.gated.get(key, 0) + 1
 
 
 def _scalar_output(out):
@@ -89,7 +103,8 @@ def geometries(model, *args, **kwargs) -> dict:
     require grad, as ``loss.backward()`` would, but writes no ``.grad``.
 
     Returns:
-        dict: ``{"shapes": [{"tag", "M", "N", "K", "dtype", "layout", "calls"}...], "skipped_transposed_a": n}``.
+        dict: ``{"shapes": [{"tag", "M", "N", "K", "dtype", "layout", "calls"}...], "skipped_transposed_a": n,
+        "gated": [{"M", "N", "K", "dtype", "activation", "bias", "calls"}...]}`` (the gated linears of fused MLPs).
     """
     rec = _Recorder()
     with rec:
@@ -103,4 +118,6 @@ def geometries(model, *args, **kwargs) -> dict:
                 torch.autograd.grad(scalar, params + leaves, allow_unused=True)
     shapes = [{"tag": "model", "M": M, "N": N, "K": K, "dtype": dtype, "layout": layout, "calls": calls}
               for (dtype, M, N, K, layout), calls in rec.rows.items()]
-    return {"shapes": shapes, "skipped_transposed_a": rec.skipped}
+    gated = [{"M": M, "N": N, "K": K, "dtype": dtype, "activation": act, "bias": bias, "calls": calls}
+             for (dtype, M, N, K, act, bias), calls in rec.gated.items()]
+    return {"shapes": shapes, "skipped_transposed_a": rec.skipped, "gated": gated}

@@ -65,15 +65,28 @@ def choose(kernel: str, x2: torch.Tensor, w_gate: torch.Tensor, bias: bool, acti
     e = entry(device, dtype, M, N, K, activation)
     if (e is None or "prior" in e) and dtype in _DTYPES and first_sight.enabled():
         index = device.index if device.index is not None else torch.cuda.current_device()
-        key = tuned.entry_key(dtype, M, N, K, layout_tag(activation))
-        if not first_sight.tried(index, key):
+        if not first_sight.tried(index, tuned.entry_key(dtype, M, N, K, layout_tag(activation))):
             if first_sight._not_now():
                 return _decision(e, kernel), False
-            with first_sight._lock:
-                if not first_sight.tried(index, key):  # (another thread may have measured it meanwhile)
-                    e = first_sight.measure_and_record(index, key, lambda: measure(
-                        torch.device("cuda", index), dtype, M, N, K, activation, bias)) or e
+            e = tune(device, dtype, M, N, K, activation, bias) or e
     return _decision(e, kernel), True
+
+
+def tune(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, activation: str,
+         bias: bool = False) -> dict | None:
+    """Measure the geometry and record its entry (:func:`first_sight.measure_and_record`) unless this GPU's
+    table holds it (not as a prior) or this process measured it; float16 and bfloat16 only. Returns the new
+    entry, or None (nothing measured, or the measurement failed: one RuntimeWarning)."""
+    e = entry(device, dtype, M, N, K, activation)
+    if dtype not in _DTYPES or e is not None and "prior" not in e:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = tuned.entry_key(dtype, M, N, K, layout_tag(activation))
+    with first_sight._lock:
+        if first_sight.tried(index, key):  # (another thread may have measured it meanwhile)
+            return None
+        return first_sight.measure_and_record(index, key, lambda: measure(
+            torch.device("cuda", index), dtype, M, N, K, activation, bias))
 
 
 def _decision(e: dict | None, kernel: str):

@@ -308,7 +308,8 @@ def tune_model(model, *example_args, **example_kwargs) -> dict:
     Records the geometries of one pass (:func:`tritonmm.capture.geometries`; the backward through
     ``torch.autograd.grad``, so no ``.grad`` is written), measures those that no table of this GPU
     and Triton release holds (every candidate config of each kernel against cuBLAS, as ``python -m
-    tritonmm.tune``; seconds per geometry) and merges the winners into this machine's table
+    tritonmm.tune``; seconds per geometry; fused MLPs' gated linears of up to 16 rows as first-sight
+    tuning measures them, :mod:`tritonmm.gated_tuning`) and merges the winners into this machine's table
     (:func:`tritonmm.tuned.user_dir`), which later processes read. Then clears tritonmm's caches so the
     table takes effect. A second call with the same geometries measures nothing.
 
@@ -319,7 +320,7 @@ def tune_model(model, *example_args, **example_kwargs) -> dict:
     Raises:
         RuntimeError: no CUDA GPU (there is nothing to measure).
     """
-    from . import api, capture, tuned
+    from . import api, capture, gated, gated_tuning, tuned
 
     if not torch.cuda.is_available():
         raise RuntimeError("tritonmm.tune_model measures kernels on a CUDA GPU; none is available")
@@ -330,6 +331,11 @@ def tune_model(model, *example_args, **example_kwargs) -> dict:
     result = {"geometries": len(suite["shapes"]), "measured": 0, "table": None, "entries": 0, "triton": 0}
     if work:
         result.update(_measure_and_write(work, args, _table_path(tuned.user_dir()), merge=True))
+    for g in suite["gated"]:  # fused MLPs' gated linears at decode sizes: measured as at first sight
+        if g["M"] <= gated.GATED_MAX_M and gated_tuning.tune(device, DTYPES[g["dtype"]], g["M"], g["N"], g["K"],
+                                                             g["activation"], g["bias"]) is not None:
+            result["measured"] += 1
+    if work or result["measured"]:
         api.clear_cache()
     return result
 
