@@ -151,6 +151,21 @@ class _Clock:
         return self.t
 
 
+def fake_timing(monkeypatch, times, step):
+    """Fake GPU times for first_sight.race: ``times`` = [the torch call, then each checked contender in order,
+    which keeps its time in the head-to-head]; and a clock advancing ``step`` s per reading."""
+    known = {}
+
+    def fake_times(fns, rep_ms):
+        for fn in fns:
+            fn()
+        if len(fns) > 2 or not known:
+            known.update({id(fn): times[1 + i] for i, fn in enumerate(fns[1:])})
+        return [times[0]] + [known[id(fn)] for fn in fns[1:]]
+    monkeypatch.setattr(first_sight, "_times", fake_times)
+    monkeypatch.setattr(first_sight, "_clock", _Clock(step))
+
+
 def _measure(monkeypatch, times, step=0.01, corrupt=None, M=32, N=48, K=64):
     """first_sight.measure on CPU tensors (interpreter), with fake GPU times: ``times`` (torch_us first,
     then each compiled candidate's µs, by index) and a clock advancing ``step`` s per reading."""
@@ -164,18 +179,8 @@ def _measure(monkeypatch, times, step=0.01, corrupt=None, M=32, N=48, K=64):
             return lambda a, b, bias: run(a, b, bias) + 1.0  # a wrong result
         return run
 
-    known = {}
-
-    def fake_times(fns, rep_ms):  # cuBLAS first; each candidate keeps the time it had in the sweep
-        for fn in fns:
-            fn()
-        if len(fns) > 2 or not known:
-            known.update({id(fn): times[1 + i] for i, fn in enumerate(fns[1:])})
-        return [times[0]] + [known[id(fn)] for fn in fns[1:]]
-
     monkeypatch.setattr(runners, "build", counting_build)
-    monkeypatch.setattr(first_sight, "_times", fake_times)
-    monkeypatch.setattr(first_sight, "_clock", _Clock(step))
+    fake_timing(monkeypatch, times, step)
     entry = first_sight.measure(torch.device("cpu"), torch.bfloat16, M, N, K, "nt")
     return entry, built
 

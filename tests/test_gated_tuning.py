@@ -10,6 +10,7 @@ import tritonmm
 from tritonmm import first_sight, gated, gated_tuning, tuned
 from tritonmm.kernels import gated_launchers
 
+from test_first_sight import fake_timing
 from test_gated import assert_close_to_ref, operands
 
 CFG = dict(gated_launchers._candidates("pointer")[0])
@@ -188,15 +189,6 @@ def test_a_config_decision_builds_that_config_and_a_deferred_one_is_not_kept(mon
     assert len(built) == 4
 
 
-class _Clock:
-    def __init__(self, step):
-        self.t, self.step = 0.0, step
-
-    def __call__(self):
-        self.t += self.step
-        return self.t
-
-
 def _measure(monkeypatch, times, corrupt=None, step=0.01):
     """gated_tuning.measure on CPU tensors (interpreter) with fake GPU times: ``times`` = [torch expression,
     then each checked candidate by index]."""
@@ -212,17 +204,8 @@ def _measure(monkeypatch, times, corrupt=None, step=0.01):
                 h.add_(1.0)
             return wrong
         return launch
-    known = {}
-
-    def fake_times(fns, rep_ms):
-        for fn in fns:
-            fn()
-        if len(fns) > 2 or not known:
-            known.update({id(fn): times[1 + i] for i, fn in enumerate(fns[1:])})
-        return [times[0]] + [known[id(fn)] for fn in fns[1:]]
     monkeypatch.setattr(gated_launchers, "gated_launcher", building)
-    monkeypatch.setattr(first_sight, "_times", fake_times)
-    monkeypatch.setattr(first_sight, "_clock", _Clock(step))
+    fake_timing(monkeypatch, times, step)
     return gated_tuning.measure(torch.device("cpu"), torch.bfloat16, 4, 128, 128, "silu", keep=3), built
 
 
