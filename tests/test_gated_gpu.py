@@ -233,7 +233,8 @@ def test_tune_model_measures_a_fused_mlps_decode_geometry_once(tmp_path, monkeyp
     x = randn(1, 4, 1024, dtype=BF16, device="cuda")
     with torch.no_grad():
         first = tritonmm.tune_model(mlp, x)
-        assert first["measured"] >= 1
+        assert first["gated"] == 1 and first["measured"] >= 1 and first["table"].parent == tmp_path
+        assert first["entries"] >= 1
         assert gated_tuning.entry(x.device, BF16, 4, 2816, 1024, "silu")["first_sight_s"] > 0
         assert tritonmm.tune_model(mlp, x)["measured"] == 0
         want = gated.reference(x.double(), mlp.gate_proj.weight.double(), mlp.up_proj.weight.double())

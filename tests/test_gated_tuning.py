@@ -235,3 +235,89 @@ def test_tune_measures_only_what_no_table_of_this_release_holds(measuring, monke
     assert gated_tuning.tune(dev, torch.bfloat16, 4, 128, 64, "relu") is not None  # a prior: measured again
     assert gated_tuning.tune(dev, torch.bfloat16, 4, 128, 64, "relu") is None  # once per process
     assert measuring.calls == [KEY, "bfloat16:16:128:64:gated_relu"]
+
+
+def test_threads_deciding_one_new_geometry_agree(measuring, monkeypatch):
+    """The second thread's first call waits for the first thread's measurement and takes its decision."""
+    import threading
+    import time
+
+    barrier = threading.Barrier(2)
+    monkeypatch.setattr(first_sight, "_not_now", lambda: barrier.wait() and False)  # both past the first checks
+    measuring.result[0] = _entry("torch")
+    real = first_sight.measure_and_record
+
+    def slow(index, key, fn):
+        time.sleep(0.2)
+        return real(index, key, fn)
+    monkeypatch.setattr(first_sight, "measure_and_record", slow)
+    x2, w = _fake_call()
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(gated_tuning.choose("pointer", x2, w, False, "silu")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == [("torch", True)] * 2 and measuring.calls == [KEY]
+
+
+@pytest.mark.parametrize("field, value", [("num_warps", 3), ("num_warps", 64), ("BLOCK_N", 48), ("BLOCK_K", 96),
+                                          ("num_stages", 9)])
+def test_configs_that_cannot_launch_are_rejected(field, value):
+    with pytest.raises(ValueError, match="cannot launch"):
+        tuned._check_entry(KEY, _entry(config={**CFG, field: value}))
+    plain = {**gated_launchers._plain_equivalent(CFG), "SPLIT_K": 1, "EPILOGUE_SUBTILE": 0, field: value}
+    with pytest.raises(ValueError, match="cannot launch"):
+        tuned._check_entry("bfloat16:16:64:64:nt", {**_entry(config=plain), "kernel": "tma"})
+
+
+def test_a_prior_narrow_kernel_win_leaves_the_choice_to_autotuning(measuring, monkeypatch):
+    monkeypatch.setenv("TRITONMM_FIRST_SIGHT", "0")
+    x2, w = _fake_call()
+    measuring.table[KEY] = tuned.prior_entry(_entry(torch_us=10.0, triton_us=9.0), "3.5.0")  # 1.11x: below 15%
+    assert measuring.table[KEY]["backend"] == "torch"
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == (None, True)
+    measuring.table[KEY] = tuned.prior_entry(_entry("torch", torch_us=10.0, triton_us=12.0), "3.5.0")
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == ("torch", True)
+    measuring.table[KEY] = tuned.prior_entry(_entry(torch_us=10.0, triton_us=5.0), "3.5.0")  # 2x: kept
+    assert gated_tuning.choose("pointer", x2, w, False, "silu") == (CFG, True)
+
+
+def test_one_row_takes_its_own_key_whatever_n_and_k(measuring):
+    measuring.table["bfloat16:16:1:64:gated_silu"] = _entry("torch")
+    dev = torch.device("cuda", 0)
+    assert gated_tuning.entry(dev, torch.bfloat16, 1, 1, 64, "silu") is None
+    assert gated_tuning.entry(dev, torch.bfloat16, 2, 1, 64, "silu")["backend"] == "torch"
+    measuring.table["bfloat16:1:1:1:gated_silu"] = _entry()
+    assert gated_tuning.entry(dev, torch.bfloat16, 1, 1, 1, "silu")["backend"] == "triton"
+
+
+@pytest.mark.interpreter
+def test_a_deferred_config_that_fails_is_not_kept(monkeypatch):
+    """A decision that could not be measured (capture) whose config fails to launch: served by torch, warned,
+    and the geometry is decided again at the next call."""
+    from tritonmm.kernels.launch import LAUNCH_FAILURES
+    from tritonmm.runners import KernelFailedWarning
+
+    bad = {**CFG, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_stages": 1}
+    answers = [(bad, False), ("torch", True)]
+    calls = []
+    monkeypatch.setattr(gated_tuning, "choose", lambda *a: calls.append(1) or answers[len(calls) - 1])
+    real = gated_launchers.gated_launcher
+
+    def failing(*args):
+        launch = real(*args)
+
+        def run(*a):
+            if args[-1] is bad:
+                raise LAUNCH_FAILURES[0]("out of resources")
+            return launch(*a)
+        return run
+    monkeypatch.setattr(gated_launchers, "gated_launcher", failing)
+    x, wg, wu, _, _ = operands(3, 32, 32, torch.float32)
+    with torch.no_grad(), pytest.warns(KernelFailedWarning):
+        assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
+    with torch.no_grad():
+        torch.testing.assert_close(tritonmm.gated_linear(x, wg, wu), gated.reference(x, wg, wu), rtol=0, atol=0)
+    assert len(calls) == 2

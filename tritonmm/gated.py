@@ -157,10 +157,12 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
     try:
         launch(x2, w_gate, w_up, b_gate, b_up, h, g, u)
     except LAUNCH_FAILURES as e:  # a config that does not compile or fit here: torch serves, once warned
-        _launchers[key] = functools.partial(_failed, activation=activation)
+        failed = functools.partial(_failed, activation=activation)
+        if _launchers.get(key) is launch:  # (a launcher not kept, a decision deferred, stays undecided)
+            _launchers[key] = failed
         warnings.warn(f"tritonmm.gated_linear: the {kernel} kernel failed ({type(e).__name__}: {e}); "
                       "torch serves this geometry", runners.KernelFailedWarning, stacklevel=3)
-        _launchers[key](x2, w_gate, w_up, b_gate, b_up, h, g, u)
+        failed(x2, w_gate, w_up, b_gate, b_up, h, g, u)
     return out, g, u
 
 

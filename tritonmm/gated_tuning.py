@@ -45,9 +45,9 @@ def entry(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, acti
     entries = tuned._entries(device)
     if not entries:
         return None
-    m = f":{tuned.m_key(M)}:"
+    m = str(tuned.m_key(M))
     for key in tuned.lookup_keys(dtype, M, N, K, layout_tag(activation)):
-        e = entries.get(key) if m in key else None
+        e = entries.get(key) if key.split(":")[1] == m else None
         if e is not None:
             return e
     return None
@@ -64,11 +64,11 @@ def choose(kernel: str, x2: torch.Tensor, w_gate: torch.Tensor, bias: bool, acti
     (M, K), N = x2.shape, w_gate.shape[0]
     e = entry(device, dtype, M, N, K, activation)
     if (e is None or "prior" in e) and dtype in _DTYPES and first_sight.enabled():
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if not first_sight.tried(index, tuned.entry_key(dtype, M, N, K, layout_tag(activation))):
-            if first_sight._not_now():
-                return _decision(e, kernel), False
-            e = tune(device, dtype, M, N, K, activation, bias) or e
+        if first_sight._not_now():
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return _decision(e, kernel), first_sight.tried(index, tuned.entry_key(dtype, M, N, K, layout_tag(activation)))
+        tune(device, dtype, M, N, K, activation, bias)  # (waits for another thread's measurement of it)
+        e = entry(device, dtype, M, N, K, activation) or e
     return _decision(e, kernel), True
 
 
@@ -93,7 +93,8 @@ def _decision(e: dict | None, kernel: str):
     if e is None:
         return None
     if e["backend"] == "torch":
-        return "torch"
+        faster = e.get("triton_us") is not None and e["triton_us"] < e["torch_us"]
+        return None if "prior" in e and faster else "torch"  # (another release's narrow kernel win: autotune)
     return dict(e["config"]) if e.get("kernel") == kernel else None
 
 

@@ -314,8 +314,9 @@ def tune_model(model, *example_args, **example_kwargs) -> dict:
     table takes effect. A second call with the same geometries measures nothing.
 
     Returns:
-        dict: ``geometries`` (recorded), ``measured`` (new ones), ``table`` (its path, or None when nothing
-        was measured), ``entries`` and ``triton`` (entries of that table, and how many choose Triton).
+        dict: ``geometries`` (recorded GEMMs), ``measured`` (new ones, ``gated`` of them gated linears),
+        ``table`` (its path, or None when nothing was measured), ``entries`` and ``triton`` (entries of that
+        table, and how many choose Triton).
 
     Raises:
         RuntimeError: no CUDA GPU (there is nothing to measure).
@@ -331,11 +332,17 @@ def tune_model(model, *example_args, **example_kwargs) -> dict:
     result = {"geometries": len(suite["shapes"]), "measured": 0, "table": None, "entries": 0, "triton": 0}
     if work:
         result.update(_measure_and_write(work, args, _table_path(tuned.user_dir()), merge=True))
+    result["gated"] = 0
     for g in suite["gated"]:  # fused MLPs' gated linears at decode sizes: measured as at first sight
         if g["M"] <= gated.GATED_MAX_M and gated_tuning.tune(device, DTYPES[g["dtype"]], g["M"], g["N"], g["K"],
                                                              g["activation"], g["bias"]) is not None:
-            result["measured"] += 1
-    if work or result["measured"]:
+            result["gated"] += 1
+    if result["gated"]:
+        result["measured"] += result["gated"]
+        result["table"] = path = _table_path(tuned.user_dir())
+        entries = (tuned.read_table(path) or {"entries": {}})["entries"]
+        result.update(entries=len(entries), triton=sum(e["backend"] == "triton" for e in entries.values()))
+    if result["measured"]:
         api.clear_cache()
     return result
 

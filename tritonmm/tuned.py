@@ -30,7 +30,7 @@ import torch
 
 from . import layout
 from .activations import ACTIVATIONS
-from .kernels.configs import bucket, config_dir, validate
+from .kernels.configs import bucket, check_launchable, config_dir, validate
 from .shapes import Plan
 
 FORMAT = 1
@@ -90,8 +90,7 @@ def user_dir() -> pathlib.Path:
 
 _KEY_DTYPES = ("float16", "bfloat16", "float32")
 _KEY_LAYOUTS = ("nn", "nt", "tn", "tt")
-GATED = tuple(f"gated_{a}" for a in ACTIVATIONS if a != "none")
-"""Layout parts of gated linear keys (:mod:`tritonmm.gated_tuning`): ``dtype:M:N:K:gated_<activation>``."""
+GATED = tuple(f"gated_{a}" for a in ACTIVATIONS if a != "none")  # gated linears' keys (gated_tuning)
 
 
 def _check_key(key) -> None:
@@ -116,6 +115,7 @@ def _check_entry(key, e) -> None:
         from .kernels import gated_launchers  # (imports triton: on use)
         try:
             (gated_launchers.validate if key.endswith(GATED) else validate)(e.get("kernel"), e.get("config"))
+            check_launchable(e["kernel"], e["config"])
         except ValueError as exc:
             raise ValueError(f"entry {key!r}: {exc}") from None
 

@@ -84,6 +84,17 @@ def validate(kernel: str, config) -> None:
             raise ValueError(f"{kernel} config field {k} must be an int >= {low}, got {v!r}")
 
 
+def check_launchable(kernel: str, config: dict) -> None:
+    """Raise ValueError unless ``config`` (ints) holds values Triton can launch: block sizes and ``num_warps``
+    (at most 32) powers of two, ``num_stages`` at most 8, ``EPILOGUE_SUBTILE`` 0 or 1. Tables are held to it
+    when read; a forced config is not (one that fails falls back to torch with a warning)."""
+    for k, v in config.items():
+        if (k.startswith("BLOCK_") or k == "num_warps") and v & (v - 1) or k == "num_warps" and v > 32 \
+                or k == "num_stages" and v > 8 or k == "EPILOGUE_SUBTILE" and v > 1:
+            raise ValueError(f"{kernel} config field {k}: {v} cannot launch (block sizes and num_warps <= 32 are "
+                             "powers of two, num_stages <= 8, EPILOGUE_SUBTILE 0 or 1)")
+
+
 def complete(kernel: str, config: dict) -> dict[str, int]:
     """A copy of ``config`` with the optional fields it leaves out (:data:`OPTIONAL`) filled in."""
     return {**config, **{k: v for k, v in OPTIONAL.get(kernel, {}).items() if k not in config}}
