@@ -321,3 +321,12 @@ def test_a_deferred_config_that_fails_is_not_kept(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(tritonmm.gated_linear(x, wg, wu), gated.reference(x, wg, wu), rtol=0, atol=0)
     assert len(calls) == 2
+
+
+@pytest.mark.interpreter
+def test_measure_stops_compiling_at_its_own_budget(monkeypatch):
+    # each clock reading moves a fifth of gated_tuning's budget on (two readings per config): the third config
+    # would end past it at the second's compile time; at the plain GEMM's shorter budget only one would compile
+    assert gated_tuning.COMPILE_BUDGET_S > first_sight.COMPILE_BUDGET_S
+    entry, built = _measure(monkeypatch, [20.0, 15.0, 16.0], step=gated_tuning.COMPILE_BUDGET_S / 5)
+    assert len(built) == 2 and entry["backend"] == "triton" and entry["config"] == built[0]
