@@ -39,7 +39,7 @@ GATED_MAX_M = 16
 """Rows (M) up to which the gated GEMM kernel serves a call: decode-sized GEMMs, memory- and launch-bound,
 where one kernel instead of four saves launches and a pass over the projections. Above it cuBLAS runs
 the projections and one Triton pass the activation and product: on the H200 the gated GEMM kernels ran
-at 0.75-0.91x of eager from M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``,
+at 0.75-0.93x of eager from M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``,
 ``kernel_ratio``)."""
 PRODUCT_MIN_FLOPS = 2**35
 """FLOP per projection (2·M·N·K, 3.4e10 here) from which calls of more than :data:`GATED_MAX_M` rows take
