@@ -145,9 +145,7 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
                 _launchers.clear()
             _launchers[key] = launch
     if launch is _TORCH:  # measured faster than the kernel here (gated_tuning)
-        gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
-        h = activations.apply(gate, activation) * up
-        return (h, gate.reshape(M, N), up.reshape(M, N)) if save else (h, None, None)
+        return _torch_forward(x, w_gate, w_up, b_gate, b_up, activation, save)
     out = _empty((*lead, N), dtype=x.dtype, device=x.device)  # not a view: in-place use stays allowed
     h = out.view(M, N)
     g = u = None
@@ -168,6 +166,14 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
 
 _TORCH = "torch"
 """A launcher slot's value where the torch expression serves the geometry (:mod:`tritonmm.gated_tuning`)."""
+
+
+def _torch_forward(x, w_gate, w_up, b_gate, b_up, activation, save):
+    """:func:`forward`'s (h, g, u) from the torch expression: g and u the projections (M, N) with ``save``."""
+    gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+    h = activations.apply(gate, activation) * up
+    M, N = x.shape[:-1].numel(), w_gate.shape[0]
+    return (h, gate.reshape(M, N), up.reshape(M, N)) if save else (h, None, None)
 
 
 def _new_launcher(kernel, x2, w_gate, w_up, b_gate, b_up, save, activation, config, auto):
@@ -226,11 +232,9 @@ class _GatedFunction(torch.autograd.Function):
 def _gated_op(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor], b_up: Optional[Tensor],
               activation: str, save: bool) -> tuple[Tensor, Tensor, Tensor]:
     if not (kernel_serves(x) and kernel_shaped(x, w_gate, w_up, b_gate, b_up)):
-        gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
-        h = activations.apply(gate, activation) * up
-        M, N = x.shape[:-1].numel(), w_gate.shape[0]
-        return (h, gate.reshape(M, N), up.reshape(M, N)) if save else (h, x.new_empty(0), x.new_empty(0))
-    h, g, u = forward(x, w_gate, w_up, b_gate, b_up, activation, save, pack=not save)  # (outputs alias nothing)
+        h, g, u = _torch_forward(x, w_gate, w_up, b_gate, b_up, activation, save)
+    else:
+        h, g, u = forward(x, w_gate, w_up, b_gate, b_up, activation, save, pack=not save)  # (outputs alias nothing)
     return (h, g, u) if save else (h, x.new_empty(0), x.new_empty(0))
 
 
@@ -369,9 +373,8 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
         launch = _launchers.get(_launcher_key(kernel, x2, wg, wu, bg, bu, False, activation, None))
         if launch is None or isinstance(launch, functools.partial) or M == 0:  # not built, failed, or empty
             return
-        if launch is _TORCH:
-            def run(x, wg, wu, bg, bu):  # measured faster than the kernel (gated_tuning)
-                return activations.apply(_F_linear(x, wg, bg), activation) * _F_linear(x, wu, bu)
+        if launch is _TORCH:  # measured faster than the kernel (gated_tuning)
+            run = functools.partial(reference, activation=activation)
         elif view and not contiguous:  # (the key fixes x's shape and strides, so every call's x is such a view)
             def run(x, wg, wu, bg, bu):
                 h = _empty(out_shape, dtype=dtype, device=device)  # contiguous: (M, N) in memory
