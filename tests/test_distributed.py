@@ -58,6 +58,19 @@ def test_linear_rules_drop_partial_with_activation():
     assert all(inp[2] is None for _, inp in _linear_strategies(x, w, None, "none"))
 
 
+def test_linear_rules_replicate_a_bias_broadcast_over_the_output():
+    """A bias of more than one dimension ((M, N), (M, 1), ...) follows no row or column split of the output:
+    everything replicated, as F.linear serves such calls."""
+    from torch.distributed.tensor import Replicate
+
+    from tritonmm.distributed import _linear_strategies
+
+    x, w = torch.empty(3, 4, 6), torch.empty(10, 6)
+    for b in (torch.empty(4, 10), torch.empty(3, 4, 1)):
+        strategies = _linear_strategies(x, w, b, "none")
+        assert strategies and all(isinstance(p, Replicate) for out, inp in strategies for p in (*out, *inp[:3]))
+
+
 @pytest.mark.parametrize("parallel", ["tp", "fsdp"])
 def test_example_trains_on_cpu_with_gloo(parallel, tmp_path):
     """examples/train_distributed.py under torchrun, two CPU ranks, tritonmm on vs off: identical losses."""

@@ -248,3 +248,60 @@ def test_splitk_reduction_applies_epilogue_once(split):
     counters = getattr(workspace._local, "counters", {})
     assert len(counters) == 1 and all(int(t.abs().sum()) == 0 for t in counters.values())
     tritonmm.clear_cache()
+
+
+# F.linear broadcasts a bias of more than one dimension over its output ((M, N), (M, 1), (B, M, N), ...) and
+# raises for those it cannot; tritonmm hands such calls to F.linear, with its own gradients
+BROADCAST_BIASES = [((6, 40), (6, 24)), ((6, 40), (6, 1)), ((6, 40), (1, 24)), ((2, 3, 40), (3, 24)),
+                    ((2, 3, 40), (2, 1, 24)), ((2, 3, 40), (2, 3, 1)), ((40,), (1, 24))]
+BAD_BIASES = [((6, 40), (2, 6, 24)), ((6, 40), (24, 1)), ((2, 3, 40), (3, 1)), ((40,), (6, 24))]
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+@pytest.mark.parametrize("xshape,bshape", BROADCAST_BIASES, ids=str)
+def test_broadcast_biases_match_f_linear(xshape, bshape, activation, backend):
+    x, w, b = randn(*xshape).requires_grad_(), randn(24, 40).requires_grad_(), randn(*bshape).requires_grad_()
+    saved = [t.detach().clone() for t in (x, w, b)]
+    g = randn(*xshape[:-1], 24)
+    want = torch_linear(x, w, b, activation)
+    want_grads = torch.autograd.grad(want, (x, w, b), g)
+    with tritonmm.force_backend(backend):
+        with torch.no_grad():
+            torch.testing.assert_close(tritonmm.linear(x, w, b, activation), want)
+        got = tritonmm.linear(x, w, b, activation)
+        op = torch.ops.tritonmm.linear(x, w, b, activation)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(op, want)
+    for out in (got, op):
+        for gt, wt, t in zip(torch.autograd.grad(out, (x, w, b), g), want_grads, (x, w, b)):
+            assert gt.shape == t.shape
+            torch.testing.assert_close(gt, wt, rtol=1e-4, atol=1e-4)
+    for t, s in zip((x, w, b), saved):
+        assert torch.equal(t, s)
+
+
+@pytest.mark.parametrize("xshape,bshape", BAD_BIASES, ids=str)
+def test_biases_f_linear_cannot_broadcast_raise_its_error(xshape, bshape):
+    x, w, b = randn(*xshape), randn(24, 40), randn(*bshape)
+    with pytest.raises(RuntimeError):
+        F.linear(x, w, b)
+    for backend in ("auto", "triton"):
+        with tritonmm.force_backend(backend):
+            with pytest.raises(RuntimeError):
+                tritonmm.linear(x, w, b)
+            with pytest.raises(RuntimeError):
+                torch.ops.tritonmm.linear(x, w, b)
+
+
+def test_broadcast_bias_under_compile_opcheck_and_autocast():
+    x, w, b = randn(2, 3, 40).requires_grad_(), randn(24, 40).requires_grad_(), randn(3, 24).requires_grad_()
+    torch.library.opcheck(torch.ops.tritonmm.linear.default, (x, w, b, "silu"))
+    want = F.silu(F.linear(x, w, b))
+    for fn in (tritonmm.linear, torch.ops.tritonmm.linear):
+        compiled = torch.compile(lambda x, w, b, fn=fn: fn(x, w, b, "silu"), fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(x, w, b), want)
+    with torch.autocast("cpu", dtype=torch.bfloat16), tritonmm.force_backend("triton"):
+        out, ref = tritonmm.linear(x, w, b), F.linear(x, w, b)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref)

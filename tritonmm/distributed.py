@@ -65,6 +65,8 @@ def _linear_strategies(x, weight, bias=None, activation="none"):
         return ([out], [xs, ws, bs if has_bias else None, None])
 
     strategies = [with_bias(R, R, R, R)]
+    if has_bias and bias.ndim > 1:  # a bias F.linear broadcasts over the output: replicated, as F.linear serves it
+        return strategies
     strategies.append(with_bias(Shard(last), R, Shard(0), Shard(0) if full_bias else R))  # ColwiseParallel
     for d in range(last):  # rows (sequence / batch) of x
         strategies.append(with_bias(Shard(d), Shard(d), R, R))

@@ -122,6 +122,13 @@ def activation_backward(grad: Tensor, x, weight, bias, out, activation: str) -> 
     return torch.ops.aten.gelu_backward(grad, z, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
+def _sum_to(g: Tensor, shape) -> Tensor:
+    """``g`` (the output's shape) summed over what a bias of ``shape`` was broadcast along (F.linear's rule)."""
+    if g.dim() < len(shape):  # a 1-D input's output (N,) and a (1, N) bias
+        g = g.reshape((1,) * (len(shape) - g.dim()) + tuple(g.shape))
+    return g.sum_to_size(shape)
+
+
 def linear_backward(ctx, grad):
     with dispatch.forcing_as(ctx.forced):
         return _linear_grads(ctx, grad)
@@ -142,5 +149,5 @@ def _linear_grads(ctx, grad):
         if need_w:
             dw = _mm(gz2.mT, x.reshape(_rows(x), K).conj())
         if need_b:
-            db = gz2.sum(0) if tuple(bias_shape) == (N,) else gz2.sum().reshape(bias_shape)
+            db = gz2.sum(0) if tuple(bias_shape) == (N,) else _sum_to(gz, bias_shape)
     return dx, dw, db, None

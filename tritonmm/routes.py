@@ -132,8 +132,10 @@ def linear_slow(x: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
     _require_tensor("weight", weight, "linear")
     if bias is not None:
         _require_tensor("bias", bias, "linear")
-    if modes.torch_only(x, weight, bias) or modes.own_torch_function(x, weight, bias) and not modes.is_compiling():
-        return runners.torch_linear(x, weight, bias, activation, inplace=False)  # (activation out of place)
+    if modes.torch_only(x, weight, bias) or modes.own_torch_function(x, weight, bias) and not modes.is_compiling() \
+            or bias is not None and bias.dim() > 1:  # a broadcast bias (shapes.broadcast_bias): F.linear's own
+        # autograd, autocast and modes serve it; the activation out of place
+        return runners.torch_linear(x, weight, bias, activation, inplace=False)
     if not (modes.eager() and modes.plain(x, weight, bias)):
         return torch.ops.tritonmm.linear(x, weight, bias, activation)
     if _any_autocast():

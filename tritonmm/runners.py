@@ -154,6 +154,9 @@ def prepare(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: s
 
         def torch_run(x, w, bias_):
             return torch_linear(x, w, bias_, activation).contiguous()
+        if shapes.broadcast_bias(bias):
+            return Prepared(dispatch.Decision("torch", None, f"a bias of shape {tuple(bias.shape)}, broadcast over "
+                                                              "the output: F.linear serves the call"), torch_run)
     else:
         shapes.check_inputs(a, b)
         plan = shapes.plan(a, b)
@@ -237,9 +240,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
     """act(F.linear(x, weight, bias)) through the cached dispatch (the op's implementation).
 
-    Sparse, neg-bit and zero tensors go to F.linear unchanged (after the same checks).
+    Sparse, neg-bit and zero tensors and biases of more than one dimension (:func:`shapes.broadcast_bias`) go to
+    F.linear unchanged (after the same checks).
     """
-    if _unusual(x) or _unusual(weight) or bias is not None and _unusual(bias):
+    if _unusual(x) or _unusual(weight) or bias is not None and (_unusual(bias) or bias.dim() > 1):
         return torch_linear(x, weight, bias, activation)
     return lookup(x, weight, bias, activation, "linear").run(x, weight, bias)
 

@@ -58,6 +58,9 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -
         TypeError: x or weight is not a Tensor.
         ValueError: ``activation`` is not one of :data:`tritonmm.activations.ACTIVATIONS`.
         RuntimeError: devices or dtypes differ, x is 0-D, weight is not 2-D, or sizes mismatch.
+
+    A bias of more than one dimension (F.linear broadcasts it over the output: (M, N), (M, 1), ...) is
+    checked by F.linear itself, which serves such calls (:func:`broadcast_bias`).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"tritonmm.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -71,10 +74,16 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -
             raise RuntimeError(
                 f"tritonmm.linear: bias ({bias.dtype}, {bias.device}) must match input ({x.dtype}, {x.device})"
             )
-        if tuple(bias.shape) not in ((), (1,), (weight.shape[0],)):
+        if bias.dim() <= 1 and tuple(bias.shape) not in ((), (1,), (weight.shape[0],)):
             raise RuntimeError(
                 f"tritonmm.linear: bias of shape {tuple(bias.shape)} does not match out_features {weight.shape[0]}"
             )
+
+
+def broadcast_bias(bias) -> bool:
+    """Whether ``bias`` has more than one dimension: F.linear broadcasts such a bias over its output
+    ((M, N), (M, 1), (B, M, N), ...) where the kernels' epilogue adds an (N,) row; F.linear serves those calls."""
+    return bias is not None and bias.dim() > 1
 
 
 def output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
