@@ -305,3 +305,33 @@ def test_broadcast_bias_under_compile_opcheck_and_autocast():
         out, ref = tritonmm.linear(x, w, b), F.linear(x, w, b)
     assert out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref)
+
+
+def test_the_op_with_a_broadcast_bias_checks_and_differentiates_as_f_linear():
+    """F.linear alone checks a call with a bias of more than one dimension: one of another dtype (taken by its
+    matmul + add_ path on a 4-D input) or a 1-D weight pass there, in eager mode, the fake and the backward."""
+    for x, w, b in ((randn(2, 2, 4, 5), randn(3, 5), randn(4, 3).double()), (randn(2, 4, 5), randn(5), randn(2, 4))):
+        x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+        want = F.linear(x, w, b)
+        want_grads = torch.autograd.grad(want.sum(), (x, w, b))
+        torch.library.opcheck(torch.ops.tritonmm.linear.default, (x, w, b, "none"))
+        for fn in (tritonmm.linear, torch.ops.tritonmm.linear):
+            for _ in range(2):  # the second call takes the geometry's cached route
+                got = fn(x, w, b)
+                assert got.dtype == want.dtype
+                torch.testing.assert_close(got, want)
+                for g, wg in zip(torch.autograd.grad(got.sum(), (x, w, b)), want_grads):
+                    torch.testing.assert_close(g, wg)
+            if b.dtype == x.dtype:  # (compiled F.linear itself promotes a bias of another dtype)
+                compiled = torch.compile(lambda x, w, b, fn=fn: fn(x, w, b), fullgraph=True, backend="aot_eager")
+                torch.testing.assert_close(compiled(x, w, b), want)
+
+
+def test_double_backward_through_the_op_with_a_broadcast_bias():
+    x, w, b = randn(3, 6).requires_grad_(), randn(4, 6).requires_grad_(), randn(3, 4).requires_grad_()
+    grads = []
+    for fn in (torch.ops.tritonmm.linear, lambda x, w, b, a: F.silu(F.linear(x, w, b))):
+        gx, = torch.autograd.grad(fn(x, w, b, "silu").square().sum(), x, create_graph=True)
+        grads.append(torch.autograd.grad(gx.sum(), (w, b)))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import dispatch, modes, runners
+from . import activations, dispatch, modes, runners
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
@@ -100,6 +100,9 @@ def linear_setup_context(ctx, inputs, output):
     ctx.activation = activation
     ctx.forced = dispatch._forced.get()
     ctx.shapes = (x.shape, weight.shape, None if bias is None else bias.shape)
+    if bias is not None and bias.dim() > 1:  # a broadcast bias: F.linear served it; its backward differentiates it
+        ctx.save_for_backward(x, weight, bias, None)
+        return
     ctx.save_for_backward(x if (need_w or recompute) else None, weight if (need_x or recompute) else None,
                           bias if recompute else None, output if activation == "relu" else None)
 
@@ -122,11 +125,16 @@ def activation_backward(grad: Tensor, x, weight, bias, out, activation: str) -> 
     return torch.ops.aten.gelu_backward(grad, z, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-def _sum_to(g: Tensor, shape) -> Tensor:
-    """``g`` (the output's shape) summed over what a bias of ``shape`` was broadcast along (F.linear's rule)."""
-    if g.dim() < len(shape):  # a 1-D input's output (N,) and a (1, N) bias
-        g = g.reshape((1,) * (len(shape) - g.dim()) + tuple(g.shape))
-    return g.sum_to_size(shape)
+def _broadcast_bias_grads(x, weight, bias, grad, activation: str, needs) -> tuple:
+    """The gradients of a call with a bias of more than one dimension, which F.linear served: its expression
+    differentiated by torch (a graph of its own under ``create_graph``)."""
+    create = torch.is_grad_enabled()  # create_graph: differentiate through the saved inputs themselves
+    inputs = [t if create else t.detach().requires_grad_(n) for t, n in zip((x, weight, bias), needs)]
+    wanted = [t for t, n in zip(inputs, needs) if n]
+    with torch.enable_grad():
+        out = activations.apply(torch.nn.functional.linear(*inputs), activation)
+    got = iter(torch.autograd.grad(out, wanted, grad, create_graph=create) if wanted else ())
+    return (*(next(got) if n else None for n in needs), None)
 
 
 def linear_backward(ctx, grad):
@@ -138,6 +146,8 @@ def _linear_grads(ctx, grad):
     x, weight, bias, out = ctx.saved_tensors
     x_shape, w_shape, bias_shape = ctx.shapes
     needs = tuple(ctx.needs_input_grad) + (False, False, False)  # may omit a None bias (AOT dispatch)
+    if bias_shape is not None and len(bias_shape) > 1:
+        return _broadcast_bias_grads(x, weight, bias, grad, ctx.activation, needs[:3])
     need_x, need_w, need_b = needs[0], needs[1], bias_shape is not None and needs[2]
     gz = activation_backward(grad, x, weight, bias, out, ctx.activation)
     N, K = w_shape
@@ -149,5 +159,5 @@ def _linear_grads(ctx, grad):
         if need_w:
             dw = _mm(gz2.mT, x.reshape(_rows(x), K).conj())
         if need_b:
-            db = gz2.sum(0) if tuple(bias_shape) == (N,) else _sum_to(gz, bias_shape)
+            db = gz2.sum(0) if tuple(bias_shape) == (N,) else gz2.sum().reshape(bias_shape)
     return dx, dw, db, None

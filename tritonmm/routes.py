@@ -404,7 +404,8 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
         _require_tensor("weight", weight, "linear")
         if bias is not None:
             _require_tensor("bias", bias, "linear")
-        if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias):
+        if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias) \
+                or shapes.broadcast_bias(bias):  # (F.linear serves it: nothing to decide)
             return linear_slow(input, weight, bias, activation)
         fn = _linear_entry(key, input, weight, bias, activation, key[5])
     if (fn in _TORCH_LINEAR or type(fn) is Route and fn.forward_torch) and not planned(weight):

@@ -59,11 +59,13 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -
         ValueError: ``activation`` is not one of :data:`tritonmm.activations.ACTIVATIONS`.
         RuntimeError: devices or dtypes differ, x is 0-D, weight is not 2-D, or sizes mismatch.
 
-    A bias of more than one dimension (F.linear broadcasts it over the output: (M, N), (M, 1), ...) is
-    checked by F.linear itself, which serves such calls (:func:`broadcast_bias`).
+    With a bias of more than one dimension (F.linear broadcasts it over the output: (M, N), (M, 1), ...)
+    only the activation is checked here: F.linear itself checks and serves such calls (:func:`broadcast_bias`).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"tritonmm.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if isinstance(bias, torch.Tensor) and bias.dim() > 1:
+        return
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"tritonmm.linear: argument 'weight' must be Tensor, not {type(weight).__name__}")
     if weight.dim() != 2:
@@ -74,7 +76,7 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -
             raise RuntimeError(
                 f"tritonmm.linear: bias ({bias.dtype}, {bias.device}) must match input ({x.dtype}, {x.device})"
             )
-        if bias.dim() <= 1 and tuple(bias.shape) not in ((), (1,), (weight.shape[0],)):
+        if tuple(bias.shape) not in ((), (1,), (weight.shape[0],)):
             raise RuntimeError(
                 f"tritonmm.linear: bias of shape {tuple(bias.shape)} does not match out_features {weight.shape[0]}"
             )
