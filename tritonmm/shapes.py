@@ -64,7 +64,7 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"tritonmm.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if isinstance(bias, torch.Tensor) and bias.dim() > 1:
+    if isinstance(bias, torch.Tensor) and broadcast_bias(bias):
         return
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"tritonmm.linear: argument 'weight' must be Tensor, not {type(weight).__name__}")
