@@ -6,7 +6,8 @@
 2. The gated product's Triton passes (forward on the two halves of one GEMM output, backward) over
    BLOCK and num_warps, against eager's kernels and Inductor's fused kernel for the same expression, in
    CUDA-graph replay (triton.testing.do_bench_cudagraph), with GB/s of the bytes each must move.
-3. Kernels of one forward of the MLP at 4096 tokens: eager, fused and torch.compile (torch.profiler).
+3. Kernels of one forward (eager, fused, torch.compile) and of one forward + backward (eager, fused) of the
+   MLP at 512 and 4096 tokens (torch.profiler).
 4. The small model's 1 x 16 forward captured in a CUDA graph with tritonmm off, swapped and patched:
    the kernels each graph replays and their times.
 5. Host time to issue single ops of the fused path (cuBLAS GEMMs of both widths, allocations, the
@@ -148,7 +149,7 @@ if "3" in sections:
     mlp = _mlp(4096, 14336, dev, bf16)
     fused = tritonmm.fuse(copy.deepcopy(mlp))
     compiled = torch.compile(copy.deepcopy(mlp), dynamic=True)
-    for M in (4096,):
+    for M in (512, 4096):
         x = torch.randn(M, 4096, device=dev, dtype=bf16)
         with torch.no_grad():
             for name, m in (("eager", mlp), ("fused", fused), ("compile", compiled)):
