@@ -9,7 +9,7 @@
   gate and up weights where they are, then ``down_proj`` as a module: one Triton GEMM for up to
   :data:`tritonmm.gated.GATED_MAX_M` rows (decode); above, cuBLAS projections (one GEMM where the
   weights are packed) and one Triton pass for the activation and the product (under ``torch.compile``,
-  the expression Inductor fuses itself); calls above 16 rows that record gradients and stay below
+  the expression Inductor fuses itself); calls above 16 rows and below
   :data:`tritonmm.gated.PRODUCT_MIN_FLOPS` run the recognised forward.
 * **Linear + activation** in an ``nn.Sequential`` (a Linear as above directly followed by a known
   activation module) run as one :func:`tritonmm.linear` call with the activation in the GEMM's
@@ -255,7 +255,7 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
         pack: also store each fused MLP's gate and up weights in one allocation, gate first, and each
             attention's q, k and v weights (and biases, where all three have one) in one allocation, in that
             order (:mod:`tritonmm.packing`: the same parameters, values and memory), so that calls that take
-            cuBLAS projections (above 16 rows, :mod:`tritonmm.gated`) run them as one GEMM. Weights that
+            cuBLAS projections (:data:`tritonmm.gated.PRODUCT_MIN_FLOPS`) run them as one GEMM. Weights that
             cannot move (MLP biases, tensor subclasses, inference tensors, other tensors viewing them, CPU
             weights outside Triton's interpreter) stay where they are. A later ``.to()`` that moves the
             parameters unpacks them: call ``fuse`` again to pack them. Packed weights share one storage, as do their gradients:

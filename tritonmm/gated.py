@@ -3,11 +3,10 @@
 This is the first half of a Llama-family MLP (gate and up projections, SiLU, product). Up to
 :data:`GATED_MAX_M` rows the Triton GEMM kernels (:mod:`tritonmm.kernels.gated`) read x once for both
 projections and write only the product, instead of two projections, the activation and the product
-as four tensors. Above, cuBLAS runs the two projections and one Triton pass (:mod:`tritonmm.gated_cublas`)
-computes the activation and the product, where eager runs two: at any size for calls that record no
-gradient, from :data:`PRODUCT_MIN_FLOPS` for calls that do (smaller ones run the torch expression). With
-packed weights (``w_up`` directly after ``w_gate`` in one storage, as :func:`tritonmm.fuse` stores them; no
-biases) that path runs both projections as one GEMM.
+as four tensors. Above, from :data:`PRODUCT_MIN_FLOPS`, cuBLAS runs the two projections and one Triton pass
+(:mod:`tritonmm.gated_cublas`) computes the activation and the product, where eager runs two; smaller
+calls run the torch expression. With packed weights (``w_up`` directly after ``w_gate`` in one storage, as
+:func:`tritonmm.fuse` stores them; no biases) that path runs both projections as one GEMM.
 
 Autograd: where a gradient is needed the forward also stores the two projections (rounded to the
 output dtype, as F.linear's outputs are); the backward uses them (no recomputation): one Triton pass
@@ -43,18 +42,19 @@ the projections and one Triton pass the activation and product: on the H200 the 
 at 0.75-0.93x of eager from M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``,
 ``kernel_ratio``)."""
 PRODUCT_MIN_FLOPS = 2**35
-"""FLOP per projection (2·M·N·K, 3.4e10 here) from which calls of more than :data:`GATED_MAX_M` rows that
-record gradients take the cuBLAS + product path; smaller ones run the torch expression, where the host sets
-the pace and the autograd path's host time costs more than its passes save. On the H200, with the path at any
-size, forward + backward ran at 0.74x of eager for a TinyLlama MLP (2048 / 5632) at 512 rows (1.2e10 FLOP) and
-0.56x for the small MLP (1024 / 2816) at 4096 rows, packed (``packed_at_any_size_run`` in
-``benchmarks/h200_mlp.json``); from 6e10 FLOP (Llama-3-8B's MLP at 512 rows) at 0.99-1.07x over the runs."""
-PRODUCT_MIN_FLOPS_NO_GRAD = 0
-"""As :data:`PRODUCT_MIN_FLOPS` for calls that record no gradient: all take the path. Its bound replay (one GEMM
-on packed weights, one product launch) costs the host less than eager's four kernels: on the H200, MLP forwards
-under ``no_grad`` at 64, 512 and 4096 rows ran at 1.21x / 1.21x / 1.16x of eager at TinyLlama's widths and
-1.22x / 1.26x / 1.10x at the small config's, against 0.98-1.00x for the MLP's own forward there
-(``benchmarks/h200_gated_diag.json``)."""
+"""FLOP per projection (2·M·N·K, 3.4e10 here) from which calls of more than :data:`GATED_MAX_M` rows take
+the cuBLAS + product path; smaller ones run the torch expression (eager's kernels), where the host sets the
+pace and the path's host time costs more than its pass saves. On the H200, with the path at any size: a
+TinyLlama MLP (2048 / 5632) forward + backward at 512 rows (1.2e10 FLOP per projection) ran at 0.74x of
+eager, and in the small model of ``benchmarks/h200_model.json`` (1024 / 2816) eager prefill of 512 and 4096
+tokens (3e9 and 2.4e10 FLOP) with ``fuse`` at 0.95-0.96x; from 6e10 FLOP (Llama-3-8B's MLP at 512 rows,
+TinyLlama's at 4096) the GPU sets the pace and the forward ran at 1.01-1.06x, forward + backward at
+0.99-1.07x over the runs (``benchmarks/h200_mlp.json``). Packed weights (one GEMM for both projections) obey
+it too: taking the path at any size, they ran the forward at 512 tokens at 0.73-0.74x and forward + backward
+of the small MLP at 4096 tokens (2.4e10 FLOP) at 0.56x (``packed_at_any_size_run`` there). Calls without autograd
+obey it too: with the path at any size their MLP block alone ran 1.16x / 1.23x of eager at 512 tokens (TinyLlama,
+small) and 1.08x at 4096, yet the small model's eager prefill with ``fuse`` read 0.94x / 0.96x of tritonmm off
+(1 x 512, 4 x 1024; 0.99x / 0.97x with the MLP's own forward, ``benchmarks/h200_gated_diag.json``)."""
 TMA_MIN_M = 64
 """Rows above which the persistent TMA kernel serves (on sm_90+, aligned operands; reached by
 :func:`forward` callers that pass larger M); the pointer kernel's small-M tiles serve the rest."""
@@ -280,8 +280,7 @@ def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[T
                  b_up: Optional[Tensor] = None, activation: str = "silu") -> Tensor:
     """``act(F.linear(input, w_gate, b_gate)) * F.linear(input, w_up, b_up)`` in fewer kernels: one Triton GEMM
     for both projections up to 16 rows; above, cuBLAS projections and one Triton pass for the activation and
-    product (where gradients are recorded, from :data:`PRODUCT_MIN_FLOPS` per projection, the torch expression
-    below).
+    product from :data:`PRODUCT_MIN_FLOPS` per projection, the torch expression below.
 
     Args:
         input (Tensor): x, (*, K); float16, bfloat16 or float32 for the Triton kernels.
@@ -352,9 +351,8 @@ def _fast_eligible(x, wg, wu, bg, bu) -> bool:
     """Whether a call whose key was taken can be replayed by a bound launch: plain tensors the kernel
     serves, unit column strides, no pending negation or zero tensor."""
     tensors = (x, wg, wu, bg, bu)
-    return (kernel_serves(x) and kernel_shaped(*tensors) and not _below_product_flops(x, wg, False)
-            and modes.plain(*tensors) and modes.eager() and not modes.torch_only(*tensors) and wg.stride(-1) == 1
-            and wu.stride(-1) == 1)
+    return (kernel_serves(x) and kernel_shaped(*tensors) and not _below_product_flops(*tensors) and modes.plain(*tensors)
+            and modes.eager() and not modes.torch_only(*tensors) and wg.stride(-1) == 1 and wu.stride(-1) == 1)
 
 
 def _remember(key, x, wg, wu, bg, bu, activation) -> None:
@@ -406,20 +404,18 @@ def clear_cache() -> None:
     gated_cublas.clear_cache()
 
 
-def _below_product_flops(x, w_gate, grad: bool) -> bool:
-    """More than :data:`GATED_MAX_M` rows, under :data:`PRODUCT_MIN_FLOPS` per projection for a call that
-    records gradients (``grad``), under :data:`PRODUCT_MIN_FLOPS_NO_GRAD` for one that does not (static sizes)."""
+def _below_product_flops(x, w_gate, *_) -> bool:
+    """More than :data:`GATED_MAX_M` rows, under :data:`PRODUCT_MIN_FLOPS` per projection (static sizes)."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    return GATED_MAX_M < rows and 2 * rows * w_gate.shape[0] * K < (
-        PRODUCT_MIN_FLOPS if grad else PRODUCT_MIN_FLOPS_NO_GRAD)
+    return GATED_MAX_M < rows and 2 * rows * w_gate.shape[0] * K < PRODUCT_MIN_FLOPS
 
 
 def torch_serves(x, w_gate) -> bool:
-    """Whether an eager call is served by the torch expression, for callers that can run it more cheaply
-    themselves (a fused module: its own forward); gradients count where ``x`` or ``w_gate`` requires them."""
+    """Whether an eager call is served by the torch expression (:data:`PRODUCT_MIN_FLOPS`), for callers that
+    can run it more cheaply themselves (a fused module: its own forward)."""
     try:
-        return _below_product_flops(x, w_gate, _grad_enabled() and (x.requires_grad or w_gate.requires_grad))
+        return _below_product_flops(x, w_gate)
     except (AttributeError, IndexError, TypeError, RuntimeError):  # invalid operands: gated_linear raises
         return False
 
@@ -439,9 +435,9 @@ def _gated_linear(input, w_gate, w_up, b_gate, b_up, activation):
         tensors = _autocast(*tensors)
     if not (kernel_serves(tensors[0]) and kernel_shaped(*tensors)):
         return reference(*tensors, activation)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    if _below_product_flops(tensors[0], tensors[1], grad):
+    if _below_product_flops(*tensors):
         return reference(*tensors, activation)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if not (modes.eager() and all(t is None or type(t) in modes.PLAIN for t in tensors)):
         return _gated_op(*tensors, activation, grad)[0]  # compile, export, subclasses, modes
     if grad:
