@@ -52,9 +52,8 @@ TinyLlama's at 4096) the GPU sets the pace and the forward ran at 1.01-1.06x, fo
 0.99-1.07x over the runs (``benchmarks/h200_mlp.json``). Packed weights (one GEMM for both projections) obey
 it too: taking the path at any size, they ran the forward at 512 tokens at 0.73-0.74x and forward + backward
 of the small MLP at 4096 tokens (2.4e10 FLOP) at 0.56x (``packed_at_any_size_run`` there). Calls without autograd
-obey it too: with the path at any size their MLP block alone ran 1.16x / 1.23x of eager at 512 tokens (TinyLlama,
-small) and 1.08x at 4096, yet the small model's eager prefill with ``fuse`` read 0.94x / 0.96x of tritonmm off
-(1 x 512, 4 x 1024; 0.99x / 0.97x with the MLP's own forward, ``benchmarks/h200_gated_diag.json``)."""
+obey it too: with the path at any size their MLP block alone ran faster than eager, but the small model's eager
+prefill with ``fuse`` ran slower than with the MLP's own forward (``benchmarks/h200_gated_diag.json``, sections 8, 9)."""
 TMA_MIN_M = 64
 """Rows above which the persistent TMA kernel serves (on sm_90+, aligned operands; reached by
 :func:`forward` callers that pass larger M); the pointer kernel's small-M tiles serve the rest."""
