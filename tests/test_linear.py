@@ -327,6 +327,40 @@ def test_the_op_with_a_broadcast_bias_checks_and_differentiates_as_f_linear():
                 torch.testing.assert_close(compiled(x, w, b), want)
 
 
+@pytest.mark.parametrize("x_shape", [(3, 6), (2, 3, 6), (6,)], ids=["2d", "3d", "1d"])
+@pytest.mark.parametrize("activation", ["none", "silu"])
+def test_a_1d_weight_is_served_as_f_linear_serves_it(x_shape, activation):
+    """F.linear takes a 1-D weight without a bias (x @ w: the output loses its last dimension); tritonmm.linear and
+    the op give its values, shape and gradients, in eager mode (twice: the second call takes the cached route),
+    the fake and under torch.compile."""
+    torch._dynamo.reset()  # (one lambda's code object across the parameters: a recompile each)
+    x, w = randn(*x_shape).double().requires_grad_(), randn(6).double().requires_grad_()
+    want = F.linear(x, w)
+    want = F.silu(want) if activation == "silu" else want
+    want_grads = torch.autograd.grad(want.sum(), (x, w))
+    torch.library.opcheck(torch.ops.tritonmm.linear.default, (x, w, None, activation))
+    for fn in (tritonmm.linear, torch.ops.tritonmm.linear):
+        for _ in range(2):
+            got = fn(x, w, None, activation)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want)
+            for g, wg in zip(torch.autograd.grad(got.sum(), (x, w)), want_grads):
+                torch.testing.assert_close(g, wg)
+        compiled = torch.compile(lambda x, w, fn=fn: fn(x, w, None, activation), fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(x, w), want)
+    with torch.no_grad():
+        torch.testing.assert_close(tritonmm.linear(x, w, None, activation), want)
+
+
+def test_a_1d_weight_with_a_1d_bias_raises_as_f_linear():
+    x, w, b = randn(3, 6), randn(6), randn(3)
+    with pytest.raises(RuntimeError):
+        F.linear(x, w, b)
+    for fn in (tritonmm.linear, torch.ops.tritonmm.linear):
+        with pytest.raises(RuntimeError):
+            fn(x, w, b)
+
+
 def test_double_backward_through_the_op_with_a_broadcast_bias():
     x, w, b = randn(3, 6).requires_grad_(), randn(4, 6).requires_grad_(), randn(3, 4).requires_grad_()
     grads = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import activations, dispatch, modes, runners
+from . import activations, dispatch, modes, runners, shapes
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
@@ -100,7 +100,7 @@ def linear_setup_context(ctx, inputs, output):
     ctx.activation = activation
     ctx.forced = dispatch._forced.get()
     ctx.shapes = (x.shape, weight.shape, None if bias is None else bias.shape)
-    if bias is not None and bias.dim() > 1:  # a broadcast bias: F.linear served it; its backward differentiates it
+    if shapes.torch_form(weight, bias):  # F.linear served it; its backward differentiates it
         ctx.save_for_backward(x, weight, bias, None)
         return
     ctx.save_for_backward(x if (need_w or recompute) else None, weight if (need_x or recompute) else None,
@@ -125,11 +125,11 @@ def activation_backward(grad: Tensor, x, weight, bias, out, activation: str) -> 
     return torch.ops.aten.gelu_backward(grad, z, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-def _broadcast_bias_grads(x, weight, bias, grad, activation: str, needs) -> tuple:
-    """The gradients of a call with a bias of more than one dimension, which F.linear served: its expression
-    differentiated by torch (a graph of its own under ``create_graph``)."""
+def _torch_form_grads(x, weight, bias, grad, activation: str, needs) -> tuple:
+    """The gradients of a call that F.linear served (:func:`shapes.torch_form`: a 1-D weight, a broadcast bias):
+    its expression differentiated by torch (a graph of its own under ``create_graph``)."""
     create = torch.is_grad_enabled()  # create_graph: differentiate through the saved inputs themselves
-    inputs = [t if create else t.detach().requires_grad_(n) for t, n in zip((x, weight, bias), needs)]
+    inputs = [t if create or t is None else t.detach().requires_grad_(n) for t, n in zip((x, weight, bias), needs)]
     wanted = [t for t, n in zip(inputs, needs) if n]
     with torch.enable_grad():
         out = activations.apply(torch.nn.functional.linear(*inputs), activation)
@@ -146,8 +146,8 @@ def _linear_grads(ctx, grad):
     x, weight, bias, out = ctx.saved_tensors
     x_shape, w_shape, bias_shape = ctx.shapes
     needs = tuple(ctx.needs_input_grad) + (False, False, False)  # may omit a None bias (AOT dispatch)
-    if bias_shape is not None and len(bias_shape) > 1:
-        return _broadcast_bias_grads(x, weight, bias, grad, ctx.activation, needs[:3])
+    if len(w_shape) == 1 or bias_shape is not None and len(bias_shape) > 1:  # (shapes.torch_form)
+        return _torch_form_grads(x, weight, bias, grad, ctx.activation, needs[:3])
     need_x, need_w, need_b = needs[0], needs[1], bias_shape is not None and needs[2]
     gz = activation_backward(grad, x, weight, bias, out, ctx.activation)
     N, K = w_shape

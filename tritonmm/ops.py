@@ -60,7 +60,7 @@ def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
 @_linear_op.register_fake
 def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
     shapes.check_linear(x, weight, bias, activation)
-    if shapes.broadcast_bias(bias):  # F.linear's own checks and shape; its eager result has x's dtype (an in-place add)
+    if shapes.torch_form(weight, bias):  # F.linear's own checks and shape; its eager result has x's dtype (an in-place add)
         return x.new_empty(torch.nn.functional.linear(x, weight, bias).shape)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 

@@ -133,8 +133,8 @@ def linear_slow(x: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
     if bias is not None:
         _require_tensor("bias", bias, "linear")
     if modes.torch_only(x, weight, bias) or modes.own_torch_function(x, weight, bias) and not modes.is_compiling() \
-            or bias is not None and bias.dim() > 1:  # a broadcast bias (shapes.broadcast_bias): F.linear's own
-        # autograd, autocast and modes serve it; the activation out of place
+            or shapes.torch_form(weight, bias):  # F.linear's own autograd, autocast and modes serve it; the
+        # activation out of place
         return runners.torch_linear(x, weight, bias, activation, inplace=False)
     if not (modes.eager() and modes.plain(x, weight, bias)):
         return torch.ops.tritonmm.linear(x, weight, bias, activation)
@@ -405,7 +405,7 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
         if bias is not None:
             _require_tensor("bias", bias, "linear")
         if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias) \
-                or shapes.broadcast_bias(bias):  # (F.linear serves it: nothing to decide)
+                or shapes.torch_form(weight, bias):  # (F.linear serves it: nothing to decide)
             return linear_slow(input, weight, bias, activation)
         fn = _linear_entry(key, input, weight, bias, activation, key[5])
     if (fn in _TORCH_LINEAR or type(fn) is Route and fn.forward_torch) and not planned(weight):

@@ -150,13 +150,13 @@ def prepare(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: s
     """
     if op == "linear":
         shapes.check_linear(a, b, bias, activation)
-        plan = shapes.plan(a, b.t())
 
         def torch_run(x, w, bias_):
             return torch_linear(x, w, bias_, activation).contiguous()
-        if shapes.broadcast_bias(bias):
-            return Prepared(dispatch.Decision("torch", None, f"a bias of shape {tuple(bias.shape)}, broadcast over "
-                                                              "the output: F.linear serves the call"), torch_run)
+        if shapes.torch_form(b, bias):
+            form = "a 1-D weight" if b.dim() == 1 else f"a bias of shape {tuple(bias.shape)}, broadcast over the output"
+            return Prepared(dispatch.Decision("torch", None, f"{form}: F.linear serves the call"), torch_run)
+        plan = shapes.plan(a, b.t())
     else:
         shapes.check_inputs(a, b)
         plan = shapes.plan(a, b)
@@ -240,8 +240,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
     """act(F.linear(x, weight, bias)) through the cached dispatch (the op's implementation).
 
-    Sparse, neg-bit and zero tensors and biases of more than one dimension (:func:`shapes.broadcast_bias`) go to
-    F.linear unchanged (after the same checks).
+    Sparse, neg-bit and zero tensors and biases of more than one dimension go to F.linear unchanged (after the same
+    checks), as do 1-D weights (their geometry's runner is F.linear: :func:`prepare`).
     """
     if _unusual(x) or _unusual(weight) or bias is not None and (_unusual(bias) or bias.dim() > 1):
         return torch_linear(x, weight, bias, activation)

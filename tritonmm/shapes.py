@@ -59,12 +59,12 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -
         ValueError: ``activation`` is not one of :data:`tritonmm.activations.ACTIVATIONS`.
         RuntimeError: devices or dtypes differ, x is 0-D, weight is not 2-D, or sizes mismatch.
 
-    With a bias of more than one dimension (F.linear broadcasts it over the output: (M, N), (M, 1), ...)
-    only the activation is checked here: F.linear itself checks and serves such calls (:func:`broadcast_bias`).
+    Where F.linear serves the call itself (:func:`torch_form`: a 1-D weight, a bias of more than one dimension)
+    only the activation is checked here: F.linear checks the rest.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"tritonmm.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if isinstance(bias, torch.Tensor) and broadcast_bias(bias):
+    if torch_form(weight, bias):
         return
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"tritonmm.linear: argument 'weight' must be Tensor, not {type(weight).__name__}")
@@ -82,10 +82,13 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -
             )
 
 
-def broadcast_bias(bias) -> bool:
-    """Whether ``bias`` has more than one dimension: F.linear broadcasts such a bias over its output
-    ((M, N), (M, 1), (B, M, N), ...) where the kernels' epilogue adds an (N,) row; F.linear serves those calls."""
-    return bias is not None and bias.dim() > 1
+def torch_form(weight, bias) -> bool:
+    """Whether a linear call has a form of F.linear that the kernels do not take, which F.linear then serves
+    itself (checks, shape, autograd): a 1-D weight (``x @ w``, the output losing its last dimension) or a bias
+    of more than one dimension (broadcast over the output: (M, N), (M, 1), (B, M, N), ...; the kernels'
+    epilogue adds an (N,) row)."""
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 1
+            or isinstance(bias, torch.Tensor) and bias.dim() > 1)
 
 
 def output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
