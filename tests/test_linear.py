@@ -361,6 +361,54 @@ def test_a_1d_weight_with_a_1d_bias_raises_as_f_linear():
             fn(x, w, b)
 
 
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        return e
+
+
+@pytest.mark.parametrize("layout", ["contiguous-3d", "transposed-3d", "1d"])
+@pytest.mark.parametrize("bias_shape", [(), (4,)], ids=["0d", "1d"])
+def test_a_bias_of_another_dtype_is_served_as_f_linear_serves_it(layout, bias_shape):
+    """F.linear adds a bias of another dtype in place after its matmul where x's layout takes that path (the
+    result in x's dtype) and raises where it does not; tritonmm.linear, the op and a swapped module do the same,
+    on the first call and on later ones (a weight plan or a cached route must not change the answer)."""
+    x = {"contiguous-3d": randn(2, 3, 6), "transposed-3d": randn(3, 2, 6).transpose(0, 1), "1d": randn(6)}[layout]
+    w, b = randn(4, 6), randn(*bias_shape).double()
+    x.requires_grad_(), b.requires_grad_()
+    want = _outcome(F.linear, x, w, b)
+    module = tritonmm.swap_linear(torch.nn.Sequential(torch.nn.Linear(6, 4)))[0]
+    module.weight.data, module.bias.data = w.clone(), b.clone()
+    calls = [tritonmm.linear, torch.ops.tritonmm.linear, lambda x, w, b: module(x)]
+    for fn in calls:
+        for _ in range(3):
+            got = _outcome(fn, x, w, b)
+            if isinstance(want, Exception):
+                assert isinstance(got, RuntimeError), got
+                continue
+            assert not isinstance(got, Exception), got
+            assert got.dtype == want.dtype == x.dtype and got.shape == want.shape
+            torch.testing.assert_close(got, want)
+            inputs = (x,) if fn is calls[2] else (x, b)  # (the module's bias is its own parameter)
+            for g, wg in zip(torch.autograd.grad(got.sum(), inputs),
+                             torch.autograd.grad(want.sum(), inputs, retain_graph=True)):
+                assert g.dtype == wg.dtype
+                torch.testing.assert_close(g, wg)
+    for fn in calls[:2]:  # after ordinary calls with the same weight (its plan in place)
+        fn(x, w, b.detach().float() if b.dim() else None)
+        got = _outcome(fn, x, w, b)
+        assert type(got) is type(want) or isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
+
+
+def test_the_ops_raise_type_error_for_none_tensors():
+    x = randn(3, 4)
+    for call in (lambda: torch.ops.tritonmm.linear(x, None), lambda: torch.ops.tritonmm.linear(None, x),
+                 lambda: torch.ops.tritonmm.matmul(x, None), lambda: torch.ops.tritonmm.matmul(None, x)):
+        with pytest.raises(TypeError, match="must be Tensor"):
+            call()
+
+
 def test_double_backward_through_the_op_with_a_broadcast_bias():
     x, w, b = randn(3, 6).requires_grad_(), randn(4, 6).requires_grad_(), randn(3, 4).requires_grad_()
     grads = []

@@ -92,7 +92,8 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     Args:
         input (Tensor): x, (*, K), float16/bfloat16/float32; any leading shape and strides.
         weight (Tensor): (N, K), read in its own layout (no transpose copy).
-        bias (Tensor, optional): (N,), same dtype as x; added to the fp32 accumulator.
+        bias (Tensor, optional): (N,), same dtype as x; added to the fp32 accumulator. The other forms F.linear
+            takes (a 1-D weight; a bias of more than one dimension or of another dtype) are served by F.linear.
         activation (str): "none", "relu", "gelu" (erf), "gelu_tanh" or "silu", applied to the
             fp32 accumulator before the one rounding to the output dtype.
 

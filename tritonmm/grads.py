@@ -100,7 +100,7 @@ def linear_setup_context(ctx, inputs, output):
     ctx.activation = activation
     ctx.forced = dispatch._forced.get()
     ctx.shapes = (x.shape, weight.shape, None if bias is None else bias.shape)
-    if shapes.torch_form(weight, bias):  # F.linear served it; its backward differentiates it
+    if bias is not None and bias.dim() > 1:  # a broadcast bias: F.linear served it; its backward differentiates it
         ctx.save_for_backward(x, weight, bias, None)
         return
     ctx.save_for_backward(x if (need_w or recompute) else None, weight if (need_x or recompute) else None,
@@ -137,6 +137,26 @@ def _torch_form_grads(x, weight, bias, grad, activation: str, needs) -> tuple:
     return (*(next(got) if n else None for n in needs), None)
 
 
+def op_linear_setup_context(ctx, inputs, output):
+    """:func:`linear_setup_context` for the op, which also meets the other forms F.linear serves
+    (:func:`shapes.torch_form`; the eager autograd Function meets broadcast biases only)."""
+    x, weight, bias, activation = inputs
+    ctx.torch_form = shapes.torch_form(x, weight, bias)
+    if ctx.torch_form:
+        ctx.activation = activation
+        ctx.save_for_backward(x, weight, bias, None)
+        return
+    linear_setup_context(ctx, inputs, output)
+
+
+def op_linear_backward(ctx, grad):
+    if ctx.torch_form:
+        x, weight, bias, _ = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad) + (False, False, False)  # may omit a None bias (AOT dispatch)
+        return _torch_form_grads(x, weight, bias, grad, ctx.activation, needs[:3])
+    return linear_backward(ctx, grad)
+
+
 def linear_backward(ctx, grad):
     with dispatch.forcing_as(ctx.forced):
         return _linear_grads(ctx, grad)
@@ -146,7 +166,7 @@ def _linear_grads(ctx, grad):
     x, weight, bias, out = ctx.saved_tensors
     x_shape, w_shape, bias_shape = ctx.shapes
     needs = tuple(ctx.needs_input_grad) + (False, False, False)  # may omit a None bias (AOT dispatch)
-    if len(w_shape) == 1 or bias_shape is not None and len(bias_shape) > 1:  # (shapes.torch_form)
+    if bias_shape is not None and len(bias_shape) > 1:
         return _torch_form_grads(x, weight, bias, grad, ctx.activation, needs[:3])
     need_x, need_w, need_b = needs[0], needs[1], bias_shape is not None and needs[2]
     gz = activation_backward(grad, x, weight, bias, out, ctx.activation)

@@ -37,8 +37,16 @@ def _decomposed(body):
     return rule
 
 
+def _require_tensors(op: str, **tensors) -> None:
+    """The dispatcher passes None for a Tensor argument: raise F.linear's / torch.matmul's TypeError."""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"tritonmm::{op}(): argument '{name}' must be Tensor, not {type(t).__name__}")
+
+
 @torch.library.custom_op("tritonmm::matmul", mutates_args=())
 def _matmul_op(a: Tensor, b: Tensor) -> Tensor:
+    _require_tensors("matmul", a=a, b=b)
     return runners.matmul(a, b)
 
 
@@ -54,19 +62,20 @@ _matmul_op.register_autograd(grads.matmul_backward, setup_context=grads.matmul_s
 
 @torch.library.custom_op("tritonmm::linear", mutates_args=())
 def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+    _require_tensors("linear", x=x, weight=weight)
     return runners.linear(x, weight, bias, activation)
 
 
 @_linear_op.register_fake
 def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
     shapes.check_linear(x, weight, bias, activation)
-    if shapes.torch_form(weight, bias):  # F.linear's own checks and shape; its eager result has x's dtype (an in-place add)
+    if shapes.torch_form(x, weight, bias):  # F.linear's own checks and shape; its eager result has x's dtype (an in-place add)
         return x.new_empty(torch.nn.functional.linear(x, weight, bias).shape)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 _linear_op.register_torch_dispatch(FunctionalTensorMode, _decomposed(traced.linear))
-_linear_op.register_autograd(grads.linear_backward, setup_context=grads.linear_setup_context)
+_linear_op.register_autograd(grads.op_linear_backward, setup_context=grads.op_linear_setup_context)
 
 
 def _forcing(kernel: str, config: str):

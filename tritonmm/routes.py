@@ -133,8 +133,8 @@ def linear_slow(x: Tensor, weight: Tensor, bias, activation: str) -> Tensor:
     if bias is not None:
         _require_tensor("bias", bias, "linear")
     if modes.torch_only(x, weight, bias) or modes.own_torch_function(x, weight, bias) and not modes.is_compiling() \
-            or shapes.torch_form(weight, bias):  # F.linear's own autograd, autocast and modes serve it; the
-        # activation out of place
+            or bias is not None and bias.dim() > 1:  # a broadcast bias (shapes.torch_form): F.linear's own
+        # autograd, autocast and modes serve it; the activation out of place
         return runners.torch_linear(x, weight, bias, activation, inplace=False)
     if not (modes.eager() and modes.plain(x, weight, bias)):
         return torch.ops.tritonmm.linear(x, weight, bias, activation)
@@ -404,9 +404,10 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
         _require_tensor("weight", weight, "linear")
         if bias is not None:
             _require_tensor("bias", bias, "linear")
-        if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias) \
-                or shapes.torch_form(weight, bias):  # (F.linear serves it: nothing to decide)
+        if modes.torch_only(input, weight, bias) or not modes.plain(input, weight, bias):
             return linear_slow(input, weight, bias, activation)
+        if shapes.torch_form(input, weight, bias):  # F.linear's own checks, autograd and autocast: nothing to decide
+            return runners.torch_linear(input, weight, bias, activation, inplace=False)
         fn = _linear_entry(key, input, weight, bias, activation, key[5])
     if (fn in _TORCH_LINEAR or type(fn) is Route and fn.forward_torch) and not planned(weight):
         plan(weight, *weight.shape)

@@ -153,8 +153,9 @@ def prepare(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, op: s
 
         def torch_run(x, w, bias_):
             return torch_linear(x, w, bias_, activation).contiguous()
-        if shapes.torch_form(b, bias):
-            form = "a 1-D weight" if b.dim() == 1 else f"a bias of shape {tuple(bias.shape)}, broadcast over the output"
+        if shapes.torch_form(a, b, bias):
+            form = "a 1-D weight" if b.dim() == 1 else (f"a bias of shape {tuple(bias.shape)}, broadcast over the output"
+                                                         if bias.dim() > 1 else f"a {bias.dtype} bias")
             return Prepared(dispatch.Decision("torch", None, f"{form}: F.linear serves the call"), torch_run)
         plan = shapes.plan(a, b.t())
     else:
@@ -241,7 +242,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -
     """act(F.linear(x, weight, bias)) through the cached dispatch (the op's implementation).
 
     Sparse, neg-bit and zero tensors and biases of more than one dimension go to F.linear unchanged (after the same
-    checks), as do 1-D weights (their geometry's runner is F.linear: :func:`prepare`).
+    checks), as do the other forms of :func:`shapes.torch_form` (their geometry's runner is F.linear: :func:`prepare`).
     """
     if _unusual(x) or _unusual(weight) or bias is not None and (_unusual(bias) or bias.dim() > 1):
         return torch_linear(x, weight, bias, activation)

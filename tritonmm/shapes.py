@@ -59,12 +59,12 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -
         ValueError: ``activation`` is not one of :data:`tritonmm.activations.ACTIVATIONS`.
         RuntimeError: devices or dtypes differ, x is 0-D, weight is not 2-D, or sizes mismatch.
 
-    Where F.linear serves the call itself (:func:`torch_form`: a 1-D weight, a bias of more than one dimension)
-    only the activation is checked here: F.linear checks the rest.
+    Where F.linear serves the call itself (:func:`torch_form`) only the activation is checked here: F.linear
+    checks the rest.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"tritonmm.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if torch_form(weight, bias):
+    if torch_form(x, weight, bias):
         return
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"tritonmm.linear: argument 'weight' must be Tensor, not {type(weight).__name__}")
@@ -82,13 +82,15 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -
             )
 
 
-def torch_form(weight, bias) -> bool:
+def torch_form(x, weight, bias) -> bool:
     """Whether a linear call has a form of F.linear that the kernels do not take, which F.linear then serves
-    itself (checks, shape, autograd): a 1-D weight (``x @ w``, the output losing its last dimension) or a bias
+    itself (checks, result, autograd): a 1-D weight (``x @ w``, the output losing its last dimension), a bias
     of more than one dimension (broadcast over the output: (M, N), (M, 1), (B, M, N), ...; the kernels'
-    epilogue adds an (N,) row)."""
-    return (isinstance(weight, torch.Tensor) and weight.dim() == 1
-            or isinstance(bias, torch.Tensor) and bias.dim() > 1)
+    epilogue adds an (N,) row) or a bias of another dtype than x's (F.linear adds it in place after its
+    matmul where x's layout takes that path, keeping x's dtype, and raises where it does not)."""
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return True
+    return isinstance(bias, torch.Tensor) and (bias.dim() > 1 or isinstance(x, torch.Tensor) and bias.dtype != x.dtype)
 
 
 def output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:

@@ -164,7 +164,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor, bias=None, activation: str = "none") -> Tensor:
     """The traced body of ``tritonmm::linear``."""
     shapes.check_linear(x, weight, bias, activation)
-    if shapes.torch_form(weight, bias):  # F.linear's result, in x's dtype as eager F.linear gives it (an in-place add)
+    if shapes.torch_form(x, weight, bias):  # F.linear's result, in x's dtype as eager F.linear gives it (an in-place add)
         return _torch_linear(x, weight, bias, activation).to(x.dtype)
     out_shape = (*x.shape[:-1], weight.shape[0])
     x2 = x.unsqueeze(0) if x.dim() == 1 else _rows(x)
