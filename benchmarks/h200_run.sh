@@ -4,8 +4,10 @@
 #   info    GPU, clocks, torch/triton versions
 #   host    per-call cost of the entry points and of the Triton route's layers on this host, and a profile (printed)
 #   tests   pytest -m gpu on the GPU test modules -> $OUT/gpu_tests.log
-#   gpu_all every gpu-marked test -> $OUT/gpu_all.log (more than 8 minutes on the H200: split across device calls
-#           with the tests step, e.g. TESTS="tests/test_gpu.py" and TESTS="tests/test_gpu_reliability.py tests/test_padded.py")
+#   gpu_all every gpu-marked test -> $OUT/gpu_all.log (about 12 minutes on the H200: split across device calls with
+#           the tests step: TESTS="tests/test_gpu.py" (about 5 minutes), TESTS="tests/test_gated_gpu.py
+#           tests/test_qkv_gpu.py tests/test_fuzz.py" (about 3), TESTS="tests/test_bench.py tests/test_capture.py
+#           tests/test_copy.py tests/test_first_sight.py tests/test_padded.py tests/test_gpu_reliability.py" (about 4))
 #   model   python -m tritonmm.bench --model -> $OUT/h200_model.json (MODEL_ARGS adds flags, e.g. one config per
 #           device call: --model-configs small; the JSON is rewritten after each phase, so a run cut short keeps them)
 #   mlp     python -m tritonmm.bench --mlp -> $OUT/h200_mlp.json (MLP_ARGS adds flags)
@@ -68,8 +70,8 @@ with torch.no_grad():
 pstats.Stats("/tmp/prof").sort_stats("tottime").print_stats(14)
 PY
     ;;
-    tests) T "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \
-             ${TESTS:-tests/test_gpu.py tests/test_fuzz.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    tests) T "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \
+             ${TESTS:-tests/test_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     gpu_all) T "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q --maxfail=10 --durations=20 -p no:cacheprovider \
                tests/ 2>&1 | tee "$OUT/gpu_all.log" | tail -60 ;;
     model) T "${MODEL_TIMEOUT:-420}" python3 -m tritonmm.bench --model ${MODEL_ARGS:-} --json "$OUT/h200_model.json" \
