@@ -3,7 +3,7 @@
 # (default /tmp/out).
 #   info    GPU, clocks, torch/triton versions
 #   host    per-call cost of the entry points and of the Triton route's layers on this host, and a profile (printed)
-#   tests   pytest -m gpu on the GPU test modules -> $OUT/gpu_tests.log
+#   tests   pytest -m gpu on TESTS (default tests/test_gpu.py) -> $OUT/gpu_tests.log
 #   gpu_all every gpu-marked test -> $OUT/gpu_all.log (about 12 minutes on the H200: split across device calls with
 #           the tests step: TESTS="tests/test_gpu.py" (about 5 minutes), TESTS="tests/test_gated_gpu.py
 #           tests/test_qkv_gpu.py tests/test_fuzz.py" (about 3), TESTS="tests/test_bench.py tests/test_capture.py
