@@ -126,8 +126,8 @@ def activation_backward(grad: Tensor, x, weight, bias, out, activation: str) -> 
 
 
 def _torch_form_grads(x, weight, bias, grad, activation: str, needs) -> tuple:
-    """The gradients of a call that F.linear served (:func:`shapes.torch_form`: a 1-D weight, a broadcast bias):
-    its expression differentiated by torch (a graph of its own under ``create_graph``)."""
+    """The gradients of a call that F.linear served (:func:`shapes.torch_form`): its expression differentiated
+    by torch (a graph of its own under ``create_graph``)."""
     create = torch.is_grad_enabled()  # create_graph: differentiate through the saved inputs themselves
     inputs = [t if create or t is None else t.detach().requires_grad_(n) for t, n in zip((x, weight, bias), needs)]
     wanted = [t for t, n in zip(inputs, needs) if n]

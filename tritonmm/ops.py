@@ -21,7 +21,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from . import dispatch, grads, runners, shapes, traced
+from . import dispatch, grads, routes, runners, shapes, traced
 
 
 def _decomposed(body):
@@ -37,16 +37,10 @@ def _decomposed(body):
     return rule
 
 
-def _require_tensors(op: str, **tensors) -> None:
-    """The dispatcher passes None for a Tensor argument: raise F.linear's / torch.matmul's TypeError."""
-    for name, t in tensors.items():
-        if not isinstance(t, Tensor):
-            raise TypeError(f"tritonmm::{op}(): argument '{name}' must be Tensor, not {type(t).__name__}")
-
-
 @torch.library.custom_op("tritonmm::matmul", mutates_args=())
 def _matmul_op(a: Tensor, b: Tensor) -> Tensor:
-    _require_tensors("matmul", a=a, b=b)
+    routes._require_tensor("a", a, "matmul")  # (the dispatcher passes None for a Tensor argument)
+    routes._require_tensor("b", b, "matmul")
     return runners.matmul(a, b)
 
 
@@ -62,7 +56,8 @@ _matmul_op.register_autograd(grads.matmul_backward, setup_context=grads.matmul_s
 
 @torch.library.custom_op("tritonmm::linear", mutates_args=())
 def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
-    _require_tensors("linear", x=x, weight=weight)
+    routes._require_tensor("x", x, "linear")
+    routes._require_tensor("weight", weight, "linear")
     return runners.linear(x, weight, bias, activation)
 
 
