@@ -15,7 +15,7 @@
 6. Llama-3-8B-sized 2-layer model, eager prefill of 1 x 512 tokens, tritonmm off and fused: the host time
    to issue one forward, the kernels of one forward, and wall times alternated.
 7. MLP forwards without autograd (TinyLlama's and the small config's widths; 512 and 4096 tokens): eager,
-   fused as released, and fused with the cuBLAS + product path at any size (gated.PRODUCT_MIN_FLOPS = 0).
+   fused as released, and fused with the cuBLAS + product path at any size (both product thresholds 0).
 Usage: PYTHONPATH=$PWD python3 benchmarks/h200_gated_diag.py [sections, default 1234]"""
 import contextlib
 import copy
@@ -311,9 +311,7 @@ if "7" in sections:
     from tritonmm import gated
     from tritonmm.bench.model import alternate
 
-    released = gated.PRODUCT_MIN_FLOPS
-    if hasattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD"):  # fused as released: one threshold for every call
-        gated.PRODUCT_MIN_FLOPS_NO_GRAD = released
+    released = gated.PRODUCT_MIN_FLOPS, gated.PRODUCT_MIN_FLOPS_NO_GRAD
     for hidden, inter in ((2048, 5632), (1024, 2816)):
         mlp = _mlp(hidden, inter, dev, bf16)
         fused = tritonmm.fuse(copy.deepcopy(mlp))
@@ -325,7 +323,7 @@ if "7" in sections:
                 try:
                     return fused(x)
                 finally:
-                    gated.PRODUCT_MIN_FLOPS = gated.PRODUCT_MIN_FLOPS_NO_GRAD = released
+                    gated.PRODUCT_MIN_FLOPS, gated.PRODUCT_MIN_FLOPS_NO_GRAD = released
 
             with torch.no_grad():
                 times = alternate({"eager": (contextlib.nullcontext, lambda: mlp(x)),

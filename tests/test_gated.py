@@ -76,6 +76,7 @@ def test_every_output_element_is_written(kernel):
 @pytest.mark.parametrize("act", ACTS)
 def test_gradients_match_float64(act, bias, M, monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at these sizes too
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
     x, wg, wu, bg, bu = operands(M, 40, 56, bias=bias)
     x = x.view(M, 1, 56)
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu) + ((bg, bu) if bias else ())]
@@ -134,6 +135,7 @@ def test_more_than_gated_max_m_rows_take_cublas_projections_and_one_product_pass
     launchers, products = [], []
     real_launcher, real_product = gl.gated_launcher, gated_cublas.product
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at these sizes too
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
     monkeypatch.setattr(gl, "gated_launcher", lambda *a, **k: launchers.append(a[1]) or real_launcher(*a, **k))
     monkeypatch.setattr(gated_cublas, "product", lambda *a: products.append(a[0].shape) or real_product(*a))
     tritonmm.clear_cache()
@@ -148,9 +150,9 @@ def test_more_than_gated_max_m_rows_take_cublas_projections_and_one_product_pass
 
 
 def test_calls_below_product_min_flops_run_the_torch_expression(monkeypatch):
-    """Above GATED_MAX_M rows the product path serves from PRODUCT_MIN_FLOPS per projection, with and without
-    gradients (the no-grad replay too); below it the torch expression, and a fused MLP its own forward,
-    its weights packed or not."""
+    """Above GATED_MAX_M rows the product path serves calls with autograd from PRODUCT_MIN_FLOPS per projection and
+    calls without from PRODUCT_MIN_FLOPS_NO_GRAD (the no-grad replay too); below them the torch expression, and a
+    fused MLP its own forward, its weights packed or not."""
     from tritonmm import gated_cublas
 
     from tritonmm.kernels import gated_product
@@ -165,8 +167,12 @@ def test_calls_below_product_min_flops_run_the_torch_expression(monkeypatch):
     mlp = tritonmm.fuse(MLP(hidden=32, inter=24), pack=False)
     packed = tritonmm.fuse(MLP(hidden=32, inter=24))
     assert gated_cublas.packed(packed.gate_proj.weight, packed.up_proj.weight) is not None
-    for threshold, taken in ((2 * 40 * 24 * 32 + 1, 0), (2 * 40 * 24 * 32, 5)):  # 5 forwards
-        monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", threshold)
+    flops = 2 * 40 * 24 * 32
+    # (grad threshold, no-grad threshold) -> product passes of the 2 forwards with autograd and the 3 without
+    for grad_min, no_grad_min, with_grad, without in ((flops + 1, flops + 1, 0, 0), (flops, flops, 2, 3),
+                                                      (flops, flops + 1, 2, 0), (flops + 1, flops, 0, 3)):
+        monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", grad_min)
+        monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", no_grad_min)
         tritonmm.clear_cache()
         products.clear()
         xg = x.clone().requires_grad_()
@@ -174,16 +180,20 @@ def test_calls_below_product_min_flops_run_the_torch_expression(monkeypatch):
         out.sum().backward()
         assert_close_to_ref(out.detach(), x, wg, wu)
         mlp(xg)
+        assert len(products) == with_grad, (grad_min, no_grad_min)
+        products.clear()
         with torch.no_grad():
             for _ in range(2):  # the second call: the bound replay
                 assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
             mlp(x)
-        assert len(products) == taken, threshold
+        assert len(products) == without, (grad_min, no_grad_min)
         products.clear()
         packed(xg)
+        assert len(products) == with_grad // 2, (grad_min, no_grad_min)
+        products.clear()
         with torch.no_grad():
             packed(x)
-        assert len(products) == (2 if taken else 0), threshold
+        assert len(products) == without // 3, (grad_min, no_grad_min)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -356,6 +366,7 @@ def _count_gated(monkeypatch):
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_mlp_matches_module_values_and_grads(act, bias, rows, monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at these sizes too
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
     torch.manual_seed(0)
     mlp = MLP(act=act, bias=bias)
     fused = tritonmm.fuse(copy.deepcopy(mlp))
@@ -520,6 +531,7 @@ def test_compiled_fused_mlp_fullgraph():
 @pytest.fixture
 def product_path(monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at CPU test sizes
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
 
 
 @pytest.mark.parametrize("rows", [4, 17], ids=["gemm_kernel", "cublas_product"])
@@ -595,18 +607,25 @@ def test_zero_output_features_with_saved_projections(product_path):
         assert h.shape == (rows, 0) and g.shape == u.shape == (rows, 0)
 
 
-@pytest.mark.parametrize("rows,hidden,inter,product", [
-    (512, 4096, 14336, True),   # Llama-3-8B's MLP at 512 tokens: 6e10 FLOP per projection, GPU-bound on the H200
-    (4096, 2048, 5632, True),   # TinyLlama's at 4096 tokens
-    (512, 2048, 5632, False),   # TinyLlama's at 512 tokens: 1.2e10 FLOP, host-bound (0.74x with the product path)
-    (4096, 1024, 2816, False),  # the model benchmark's small config at 4096 tokens: 2.4e10 FLOP (0.95x)
+@pytest.mark.parametrize("rows,hidden,inter,grad,product", [
+    (512, 4096, 14336, True, True),     # Llama-3-8B's MLP at 512 tokens: 6e10 FLOP per projection, GPU-bound on the H200
+    (4096, 2048, 5632, True, True),     # TinyLlama's at 4096 tokens
+    (512, 2048, 5632, True, False),     # TinyLlama's at 512 tokens: 1.2e10 FLOP, host-bound (0.74x with the product path)
+    (4096, 1024, 2816, True, False),    # the model benchmark's small config at 4096 tokens: 2.4e10 FLOP (0.95x)
+    (512, 4096, 14336, False, False),   # the 8B-sized model's 1 x 512 prefill: host-paced (0.971-0.977x with the path)
+    (4096, 2048, 5632, False, False),   # TinyLlama's at 4096 tokens without autograd: 9.5e10 FLOP
+    (4096, 4096, 14336, False, True),   # the 8B-sized model's 4 x 1024 prefill: 4.8e11 FLOP (1.013-1.021x)
+    (4096, 1024, 2816, False, False),
 ])
-def test_product_threshold_separates_the_measured_gpu_bound_and_host_bound_mlps(rows, hidden, inter, product):
-    """PRODUCT_MIN_FLOPS sits between the MLP sizes measured slower with the product path (host-bound) and
-    those measured faster (gated.py's docstring; benchmarks/h200_mlp.json)."""
+def test_product_thresholds_separate_the_measured_gpu_bound_and_host_bound_mlps(rows, hidden, inter, grad, product):
+    """PRODUCT_MIN_FLOPS (calls with autograd) and PRODUCT_MIN_FLOPS_NO_GRAD (without) sit between the MLP sizes
+    measured slower with the product path (host-paced) and those measured faster (gated.py's docstrings;
+    benchmarks/h200_mlp.json, h200_model.json)."""
     x = torch.empty(rows, hidden, device="meta")
-    w = torch.empty(inter, hidden, device="meta")
+    w = torch.empty(inter, hidden, device="meta", requires_grad=grad)
     assert gated.torch_serves(x, w) is not product
+    with torch.no_grad():  # no autograd whatever the tensors need
+        assert gated.torch_serves(x, w) is (rows * hidden * inter * 2 < gated.PRODUCT_MIN_FLOPS_NO_GRAD)
 
 
 def test_replay_is_not_taken_by_neg_views_zero_tensors_or_a_bias_of_another_alignment():

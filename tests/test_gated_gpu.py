@@ -74,6 +74,7 @@ def test_autotuned_launch(kernel):
 @pytest.mark.parametrize("act", gated.GATED_ACTIVATIONS)
 def test_gradients_on_gpu(M, act, monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at 600 rows too
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
     x, wg, wu, _, _ = _operands(M, 640, 512)
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu)]
     out = tritonmm.gated_linear(*leaves, activation=act)  # the gated kernel at 16 rows, cuBLAS + product at 600
@@ -88,6 +89,7 @@ def test_gradients_on_gpu(M, act, monkeypatch):
 
 def test_fused_llama_mlp_eager_compiled_and_graphed(monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at 512 rows too
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
 

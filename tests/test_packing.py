@@ -21,6 +21,7 @@ pytestmark = pytest.mark.interpreter
 @pytest.fixture(autouse=True)
 def product_path(monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path (where packing counts) at CPU test sizes
+    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
 
 
 def is_packed(mlp) -> bool:

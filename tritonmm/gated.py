@@ -1,11 +1,11 @@
 """The gated linear: ``act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)`` in fewer kernels.
 
-This is the first half of a Llama-family MLP (gate and up projections, SiLU, product). Up to
-:data:`GATED_MAX_M` rows the Triton GEMM kernels (:mod:`tritonmm.kernels.gated`) read x once for both
-projections and write only the product, instead of two projections, the activation and the product
-as four tensors. Above, from :data:`PRODUCT_MIN_FLOPS`, cuBLAS runs the two projections and one Triton pass
-(:mod:`tritonmm.gated_cublas`) computes the activation and the product, where eager runs two; smaller
-calls run the torch expression. With packed weights (``w_up`` directly after ``w_gate`` in one storage, as
+This is the first half of a Llama-family MLP (gate and up projections, SiLU, product). Up to :data:`GATED_MAX_M`
+rows the Triton GEMM kernels (:mod:`tritonmm.kernels.gated`) read x once for both projections and write only the
+product, instead of two projections, the activation and the product as four tensors. Above, from
+:data:`PRODUCT_MIN_FLOPS` (:data:`PRODUCT_MIN_FLOPS_NO_GRAD` without autograd), cuBLAS runs the two projections and
+one Triton pass (:mod:`tritonmm.gated_cublas`) the activation and the product, where eager runs two; smaller calls
+run the torch expression. With packed weights (``w_up`` directly after ``w_gate`` in one storage, as
 :func:`tritonmm.fuse` stores them; no biases) that path runs both projections as one GEMM.
 
 Autograd: where a gradient is needed the forward also stores the two projections (rounded to the
@@ -42,18 +42,20 @@ the projections and one Triton pass the activation and product: on the H200 the 
 at 0.75-0.93x of eager from M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``,
 ``kernel_ratio``)."""
 PRODUCT_MIN_FLOPS = 2**35
-"""FLOP per projection (2·M·N·K, 3.4e10 here) from which calls of more than :data:`GATED_MAX_M` rows take
-the cuBLAS + product path; smaller ones run the torch expression (eager's kernels), where the host sets the
-pace and the path's host time costs more than its pass saves. On the H200, with the path at any size: a
-TinyLlama MLP (2048 / 5632) forward + backward at 512 rows (1.2e10 FLOP per projection) ran at 0.74x of
-eager, and in the small model of ``benchmarks/h200_model.json`` (1024 / 2816) eager prefill of 512 and 4096
-tokens (3e9 and 2.4e10 FLOP) with ``fuse`` at 0.95-0.96x; from 6e10 FLOP (Llama-3-8B's MLP at 512 rows,
-TinyLlama's at 4096) the GPU sets the pace and the forward ran at 1.01-1.06x, forward + backward at
-0.99-1.07x over the runs (``benchmarks/h200_mlp.json``). Packed weights (one GEMM for both projections) obey
-it too: taking the path at any size, they ran the forward at 512 tokens at 0.73-0.74x and forward + backward
-of the small MLP at 4096 tokens (2.4e10 FLOP) at 0.56x (``packed_at_any_size_run`` there). Calls without autograd
-obey it too: with the path at any size their MLP block alone ran faster than eager, but the small model's eager
-prefill with ``fuse`` ran slower than with the MLP's own forward (``benchmarks/h200_gated_diag.json``, sections 8, 9)."""
+"""FLOP per projection (2·M·N·K, 3.4e10) from which calls with autograd of more than :data:`GATED_MAX_M` rows
+take the cuBLAS + product path; smaller ones run the torch expression (eager's kernels): the host sets the pace
+there and the path costs more host time than its pass saves. On the H200, with the path at any size, a TinyLlama
+MLP forward + backward at 512 rows (1.2e10 FLOP) ran at 0.74x of eager (packed weights: 0.56x for the small MLP
+at 4096 rows, 2.4e10); from 6e10 FLOP forward + backward ran at 0.99-1.07x (``benchmarks/h200_mlp.json``)."""
+PRODUCT_MIN_FLOPS_NO_GRAD = 2**37
+"""FLOP per projection (1.4e11) from which calls without autograd take the product path: an inference forward
+stays paced by the host to larger sizes than a training step, and the product pass's launch costs host time. On the
+H200 the Llama-3-8B-sized model's eager 1 x 512 prefill (6e10 FLOP) ran with the path at 0.971-0.977x of tritonmm
+off, its MLP calls taking 33 us more host time each, and at 1.017x with the MLP's own forward in one run
+(``benchmarks/h200_model.json``, ``h200_mlp_host_in_model.json``); its 4 x 1024 prefill (4.8e11) at 1.013-1.021x
+with the path. Below this threshold the MLP block alone, GPU-paced at those sizes, gives up the path's 1.16x
+(Llama-3-8B's at 512 rows) and 1.08x (TinyLlama's at 4096, 9.5e10 FLOP) forward. At any size the path slowed
+the small model's prefill (``benchmarks/h200_gated_diag.json``, sections 8, 9)."""
 TMA_MIN_M = 64
 """Rows above which the persistent TMA kernel serves (on sm_90+, aligned operands; reached by
 :func:`forward` callers that pass larger M); the pointer kernel's small-M tiles serve the rest."""
@@ -166,8 +168,7 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
     return out, g, u
 
 
-_TORCH = "torch"
-"""A launcher slot's value where the torch expression serves the geometry (:mod:`tritonmm.gated_tuning`)."""
+_TORCH = "torch"  # a launcher slot's value where the torch expression serves the geometry (gated_tuning)
 
 
 def _torch_forward(x, w_gate, w_up, b_gate, b_up, activation, save):
@@ -279,7 +280,8 @@ def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[T
                  b_up: Optional[Tensor] = None, activation: str = "silu") -> Tensor:
     """``act(F.linear(input, w_gate, b_gate)) * F.linear(input, w_up, b_up)`` in fewer kernels: one Triton GEMM
     for both projections up to 16 rows; above, cuBLAS projections and one Triton pass for the activation and
-    product from :data:`PRODUCT_MIN_FLOPS` per projection, the torch expression below.
+    product from :data:`PRODUCT_MIN_FLOPS` per projection (:data:`PRODUCT_MIN_FLOPS_NO_GRAD` without autograd),
+    the torch expression below.
 
     Args:
         input (Tensor): x, (*, K); float16, bfloat16 or float32 for the Triton kernels.
@@ -350,8 +352,8 @@ def _fast_eligible(x, wg, wu, bg, bu) -> bool:
     """Whether a call whose key was taken can be replayed by a bound launch: plain tensors the kernel
     serves, unit column strides, no pending negation or zero tensor."""
     tensors = (x, wg, wu, bg, bu)
-    return (kernel_serves(x) and kernel_shaped(*tensors) and not _below_product_flops(*tensors) and modes.plain(*tensors)
-            and modes.eager() and not modes.torch_only(*tensors) and wg.stride(-1) == 1 and wu.stride(-1) == 1)
+    return (kernel_serves(x) and kernel_shaped(*tensors) and not _below_product_flops(*tensors, grad=False) and modes.eager()
+            and modes.plain(*tensors) and not modes.torch_only(*tensors) and wg.stride(-1) == 1 and wu.stride(-1) == 1)
 
 
 def _remember(key, x, wg, wu, bg, bu, activation) -> None:
@@ -403,18 +405,21 @@ def clear_cache() -> None:
     gated_cublas.clear_cache()
 
 
-def _below_product_flops(x, w_gate, *_) -> bool:
-    """More than :data:`GATED_MAX_M` rows, under :data:`PRODUCT_MIN_FLOPS` per projection (static sizes)."""
+def _below_product_flops(x, w_gate, *_, grad: bool = True) -> bool:
+    """More than :data:`GATED_MAX_M` rows, under :data:`PRODUCT_MIN_FLOPS` per projection (static sizes), or
+    :data:`PRODUCT_MIN_FLOPS_NO_GRAD` for a call without autograd (``grad`` False)."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    return GATED_MAX_M < rows and 2 * rows * w_gate.shape[0] * K < PRODUCT_MIN_FLOPS
+    return GATED_MAX_M < rows and 2 * rows * w_gate.shape[0] * K < (PRODUCT_MIN_FLOPS if grad
+                                                                     else PRODUCT_MIN_FLOPS_NO_GRAD)
 
 
 def torch_serves(x, w_gate) -> bool:
-    """Whether an eager call is served by the torch expression (:data:`PRODUCT_MIN_FLOPS`), for callers that
+    """Whether an eager call is served by the torch expression (:data:`PRODUCT_MIN_FLOPS`,
+    :data:`PRODUCT_MIN_FLOPS_NO_GRAD` where neither ``x`` nor ``w_gate`` needs a gradient), for callers that
     can run it more cheaply themselves (a fused module: its own forward)."""
     try:
-        return _below_product_flops(x, w_gate)
+        return _below_product_flops(x, w_gate, grad=_grad_enabled() and (x.requires_grad or w_gate.requires_grad))
     except (AttributeError, IndexError, TypeError, RuntimeError):  # invalid operands: gated_linear raises
         return False
 
@@ -434,9 +439,9 @@ def _gated_linear(input, w_gate, w_up, b_gate, b_up, activation):
         tensors = _autocast(*tensors)
     if not (kernel_serves(tensors[0]) and kernel_shaped(*tensors)):
         return reference(*tensors, activation)
-    if _below_product_flops(*tensors):
-        return reference(*tensors, activation)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if _below_product_flops(*tensors, grad=grad):
+        return reference(*tensors, activation)
     if not (modes.eager() and all(t is None or type(t) in modes.PLAIN for t in tensors)):
         return _gated_op(*tensors, activation, grad)[0]  # compile, export, subclasses, modes
     if grad:

@@ -8,7 +8,7 @@ between ``torch.cuda.synchronize()`` calls, as in :mod:`tritonmm.bench.model`):
   ``gated.GATED_MAX_M`` rows; above, one cuBLAS GEMM on the packed gate and up weights, one Triton pass for
   SiLU and the product, then down);
 * ``unpacked``: ``fuse(..., pack=False)``: above 16 rows, two cuBLAS projections where
-  ``gated.PRODUCT_MIN_FLOPS`` allows, else the module's own forward;
+  ``gated.PRODUCT_MIN_FLOPS_NO_GRAD`` allows, else the module's own forward;
 * ``kernel``: the gated GEMM kernel at any M, then the down GEMM (what ``fused`` would be without that limit);
 * ``bound``: cuBLAS on x @ [Wg; Wu]^T and the down GEMM, no elementwise pass: what a perfect fused
   kernel at cuBLAS speed would take;
