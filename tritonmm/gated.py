@@ -53,9 +53,8 @@ stays paced by the host to larger sizes than a training step, and the product pa
 H200 the Llama-3-8B-sized model's eager 1 x 512 prefill (6e10 FLOP) ran with the path at 0.971-0.977x of tritonmm
 off, its MLP calls taking 33 us more host time each, and at 1.017x with the MLP's own forward in one run
 (``benchmarks/h200_model.json``, ``h200_mlp_host_in_model.json``); its 4 x 1024 prefill (4.8e11) at 1.013-1.021x
-with the path. Below this threshold the MLP block alone, GPU-paced at those sizes, gives up the path's 1.16x
-(Llama-3-8B's at 512 rows) and 1.08x (TinyLlama's at 4096, 9.5e10 FLOP) forward. At any size the path slowed
-the small model's prefill (``benchmarks/h200_gated_diag.json``, sections 8, 9)."""
+with the path. Below it the MLP block alone, GPU-paced there, gives up the path's 1.16x (Llama-3-8B's at 512
+rows) and 1.08x (TinyLlama's at 4096, 9.5e10 FLOP) forward (``benchmarks/h200_mlp.json``)."""
 TMA_MIN_M = 64
 """Rows above which the persistent TMA kernel serves (on sm_90+, aligned operands; reached by
 :func:`forward` callers that pass larger M); the pointer kernel's small-M tiles serve the rest."""
@@ -352,8 +351,9 @@ def _fast_eligible(x, wg, wu, bg, bu) -> bool:
     """Whether a call whose key was taken can be replayed by a bound launch: plain tensors the kernel
     serves, unit column strides, no pending negation or zero tensor."""
     tensors = (x, wg, wu, bg, bu)
-    return (kernel_serves(x) and kernel_shaped(*tensors) and not _below_product_flops(*tensors, grad=False) and modes.eager()
-            and modes.plain(*tensors) and not modes.torch_only(*tensors) and wg.stride(-1) == 1 and wu.stride(-1) == 1)
+    return (kernel_serves(x) and kernel_shaped(*tensors) and not _below_product_flops(x, wg, False)
+            and modes.plain(*tensors) and modes.eager() and not modes.torch_only(*tensors) and wg.stride(-1) == 1
+            and wu.stride(-1) == 1)
 
 
 def _remember(key, x, wg, wu, bg, bu, activation) -> None:
@@ -405,13 +405,13 @@ def clear_cache() -> None:
     gated_cublas.clear_cache()
 
 
-def _below_product_flops(x, w_gate, *_, grad: bool = True) -> bool:
-    """More than :data:`GATED_MAX_M` rows, under :data:`PRODUCT_MIN_FLOPS` per projection (static sizes), or
-    :data:`PRODUCT_MIN_FLOPS_NO_GRAD` for a call without autograd (``grad`` False)."""
+def _below_product_flops(x, w_gate, grad: bool) -> bool:
+    """More than :data:`GATED_MAX_M` rows, under :data:`PRODUCT_MIN_FLOPS` per projection for a call with autograd
+    (``grad``), under :data:`PRODUCT_MIN_FLOPS_NO_GRAD` for one without (static sizes)."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    return GATED_MAX_M < rows and 2 * rows * w_gate.shape[0] * K < (PRODUCT_MIN_FLOPS if grad
-                                                                     else PRODUCT_MIN_FLOPS_NO_GRAD)
+    return GATED_MAX_M < rows and 2 * rows * w_gate.shape[0] * K < (
+        PRODUCT_MIN_FLOPS if grad else PRODUCT_MIN_FLOPS_NO_GRAD)
 
 
 def torch_serves(x, w_gate) -> bool:
@@ -419,7 +419,7 @@ def torch_serves(x, w_gate) -> bool:
     :data:`PRODUCT_MIN_FLOPS_NO_GRAD` where neither ``x`` nor ``w_gate`` needs a gradient), for callers that
     can run it more cheaply themselves (a fused module: its own forward)."""
     try:
-        return _below_product_flops(x, w_gate, grad=_grad_enabled() and (x.requires_grad or w_gate.requires_grad))
+        return _below_product_flops(x, w_gate, _grad_enabled() and (x.requires_grad or w_gate.requires_grad))
     except (AttributeError, IndexError, TypeError, RuntimeError):  # invalid operands: gated_linear raises
         return False
 
@@ -440,7 +440,7 @@ def _gated_linear(input, w_gate, w_up, b_gate, b_up, activation):
     if not (kernel_serves(tensors[0]) and kernel_shaped(*tensors)):
         return reference(*tensors, activation)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    if _below_product_flops(*tensors, grad=grad):
+    if _below_product_flops(tensors[0], tensors[1], grad):
         return reference(*tensors, activation)
     if not (modes.eager() and all(t is None or type(t) in modes.PLAIN for t in tensors)):
         return _gated_op(*tensors, activation, grad)[0]  # compile, export, subclasses, modes
