@@ -19,6 +19,8 @@ import tritonmm
 from tritonmm import api, routes
 from tritonmm._env import raw_env
 from tritonmm.bench import model as bm
+from tritonmm.bench import per_call
+from tritonmm.bench.timing import sync
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONFIG = "llama3-8b-2l" if dev.type == "cuda" else "tiny"  # (a dry run on a CPU)
@@ -62,7 +64,7 @@ if "decode" in part:
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
                         decode()
-                        bm._sync(dev)
+                        sync(dev)
                     ka = prof.key_averages()
                     cpu_ops = sum(e.count for e in ka if e.device_type == torch.autograd.DeviceType.CPU)
                     cuda = {e.key: (e.count, e.device_time_total) for e in ka if e.device_time_total > 0 and e.count and
@@ -124,7 +126,7 @@ if "checks" in part:
         with torch.set_grad_enabled(grad):
             for name, fn in (("call_only", call_only), ("dict_ptr", dict_ptr), ("dyn_dict_ptr", dyn_dict_ptr),
                              ("all_checks", all_checks), ("tritonmm.linear", tritonmm.linear)):
-                us = bm._per_call_us({"F.linear": lambda: F.linear(x, w, b), name: lambda fn=fn: fn(x, w, b)}, dev, 41, 400)
+                us = per_call.per_call_us({"F.linear": lambda: F.linear(x, w, b), name: lambda fn=fn: fn(x, w, b)}, dev, 41, 400)
                 print(f"checks grad={grad}: {name:16s} over F.linear {us['over']:+.3f} us (F.linear {us['F.linear']:.2f} us)")
 
 if "mlp" in part:
@@ -139,7 +141,7 @@ if "mlp" in part:
             x = torch.randn(1, M, hidden, device=dev, dtype=torch.bfloat16)
             with torch.no_grad():
                 torch.testing.assert_close(fused(x), mlp(x), rtol=2e-2, atol=2e-2)
-                us = bm._per_call_us({"eager": lambda: mlp(x), "fused": lambda: fused(x)}, dev, 41, 200)
+                us = per_call.per_call_us({"eager": lambda: mlp(x), "fused": lambda: fused(x)}, dev, 41, 200)
                 print(f"mlp {hidden}/{inter} M={M}: eager {us['eager']:.2f} us fused {us['fused']:.2f} us over {us['over']:+.2f}")
                 if M == 1 and hidden == 1024:
                     cProfile.run("for _ in range(3000): fused(x)", "/tmp/prof_fused")
@@ -149,7 +151,7 @@ if "mlp" in part:
                         for _ in range(20):
                             fused(x)
                             mlp(x)
-                        bm._sync(dev)
+                        sync(dev)
                     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18))
 
 if "fuse" in part:  # eager decode with the model fused: host ops and kernels, against off
@@ -183,7 +185,7 @@ if "fuse" in part:  # eager decode with the model fused: host ops and kernels, a
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
                         decode()
-                        bm._sync(dev)
+                        sync(dev)
                     ka = prof.key_averages()
                     events[name] = {e.key: (e.count, e.cpu_time_total, e.device_time_total) for e in ka}
                     cuda = sum(e.device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -205,6 +207,6 @@ if "fuse" in part:  # eager decode with the model fused: host ops and kernels, a
                 with mlp_only():
                     fused_mlp = lambda: mlp(x)  # noqa: E731
                     fused_mlp()
-                    us = bm._per_call_us({"eager": lambda: model.model.layers[1].mlp(x), "fused": fused_mlp}, dev, 41, 200)
+                    us = per_call.per_call_us({"eager": lambda: model.model.layers[1].mlp(x), "fused": fused_mlp}, dev, 41, 200)
                 print(f"[{config}] in-model MLP at M=1: eager {us['eager']:.2f} us fused {us['fused']:.2f} us over {us['over']:+.2f}")
         del model

@@ -294,28 +294,34 @@ def test_model_rows_carry_an_interval_around_each_ratio(tmp_path, capsys):
 def test_per_call_cost_cancels_the_place_in_a_round(monkeypatch):
     """Two identical contenders, whichever runs first in a round 10% faster: the cost over torch reads 0,
     where a median of within-round differences over an odd number of rounds would read the majority's order;
-    a contender 1 µs slower per call reads +1."""
+    a contender 1 µs slower per call reads +1. Samples run with the garbage collector paused."""
+    import gc
+
     import torch
 
-    from tritonmm.bench import model
+    from tritonmm.bench import per_call
+
+    collector = []
 
     def fake(extra):
         state = {"n": 0}
         cost = {"torch": 10.0, "ours": 10.0 + extra}
 
         def wall_ms(fn, device, calls):
+            collector.append(gc.isenabled())
             state["n"] += 1
             first = state["n"] % 2 == 1
             return cost[fn()] * (0.9 if first else 1.0) / 1e3
         return wall_ms
 
     fns = {"torch": lambda: "torch", "ours": lambda: "ours"}
-    monkeypatch.setattr(model, "_wall_ms", fake(0.0))
-    same = model._per_call_us(fns, torch.device("cpu"), rounds=41, calls=1)
+    monkeypatch.setattr(per_call, "wall_ms", fake(0.0))
+    same = per_call.per_call_us(fns, torch.device("cpu"), rounds=41, calls=1)
     assert same["over"] == pytest.approx(0.0, abs=1e-9) and same["torch"] == pytest.approx(same["ours"])
-    monkeypatch.setattr(model, "_wall_ms", fake(1.0))
-    slower = model._per_call_us(fns, torch.device("cpu"), rounds=41, calls=1)
+    monkeypatch.setattr(per_call, "wall_ms", fake(1.0))
+    slower = per_call.per_call_us(fns, torch.device("cpu"), rounds=41, calls=1)
     assert slower["over"] == pytest.approx(0.95)  # 1 µs, of which the faster first place takes 10% half the time
+    assert gc.isenabled() and collector and not any(collector)  # paused within the rounds only
 
 
 def test_mlp_benchmark_without_a_gpu_and_its_json(tmp_path, capsys):

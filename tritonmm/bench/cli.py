@@ -41,7 +41,7 @@ import torch
 
 import tritonmm
 
-from . import mlp, model
+from . import mlp, model, per_call
 from .cpu import cpu_check
 from .gemm import bench_linear_row, bench_matmul_row, inductor_pass
 from .model import CONFIGS
@@ -122,7 +122,7 @@ def model_main(args) -> int:
         torch.set_num_threads(1)
     if transformers is None:
         print("transformers is not installed (pip install transformers): per-call rows only", file=sys.stderr)
-        result = {"phases": [], "per_call": model.per_call_rows(device)}
+        result = {"phases": [], "per_call": per_call.per_call_rows(device)}
     else:
         if device.type == "cuda":
             warm_up_gpu()

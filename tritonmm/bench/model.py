@@ -1,6 +1,6 @@
 """The model benchmark: a transformers Llama-architecture model with tritonmm off, swapped in,
 patched in and fused (MLPs and attention projections), alternated in one process; and the per-call
-host cost of each entry point.
+host cost of each entry point (:mod:`tritonmm.bench.per_call`).
 
 Phases (each timed per mode, the order of the modes rotated round by round, wall time between
 ``torch.cuda.synchronize()`` calls): eager prefill, eager decode with a KV cache, a training step
@@ -9,9 +9,6 @@ Ratios are off time / on time (> 1: tritonmm faster), against an A/A control (tr
 contender), each with a 95% interval (:func:`tritonmm.bench.timing.median_interval`). Eager prefill and
 decode, paced by the host, whose wall time varies by a few percent from sample to sample on a shared host,
 take twice the rounds.
-
-Per-call rows time many back-to-back calls of a problem whose GPU work is shorter than its host work,
-so the host sets the pace: the difference is what each call costs on the host.
 """
 
 from __future__ import annotations
@@ -21,11 +18,11 @@ import copy
 import gc
 import inspect
 import statistics
-import time
 
 import torch
 
-from .timing import median_interval
+from .per_call import per_call_rows
+from .timing import gc_paused, median_interval, wall_ms
 
 CONFIGS = {
     # hidden 1024, 4 layers: host time dominates
@@ -42,11 +39,6 @@ MODES = ("off", "swap", "patch", "fuse")
 CONTROL = "control"
 """A second contender that is tritonmm off (the same calls as ``off``): its ratio is the A/A spread of the
 method on this host, the noise floor the other ratios are read against."""
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def build_model(name: str, device, dtype):
@@ -84,15 +76,6 @@ def mode(name: str, model):
             tritonmm.unfuse(model, unpack=False)  # (packed once: no copies between samples)
 
 
-def _wall_ms(fn, device, iters: int) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) * 1e3 / iters
-
-
 SAMPLE_MS = 25.0
 """Wall time of one sample: calls are repeated until a sample takes about this long."""
 
@@ -113,28 +96,22 @@ def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) 
         with ctx():
             for _ in range(warmup):
                 fn()
-            once = _wall_ms(fn, device, 1)
+            once = wall_ms(fn, device, 1)
         iters = max(iters, min(200, round(SAMPLE_MS / max(once, 1e-3))))
     times = {n: [] for n in names}
     rounds = -(-rounds // len(names)) * len(names)
-    was_enabled = gc.isenabled()
-    try:
+    with gc_paused():
         for r in range(rounds):
-            gc.enable()
             gc.collect()
-            gc.disable()
             order = names[r % len(names):] + names[:r % len(names)]
             ctx, fn = runs[order[0]]
             with ctx():
-                _wall_ms(fn, device, iters)
+                wall_ms(fn, device, iters)
             for name in order:
                 ctx, fn = runs[name]
                 with ctx():
                     fn()
-                    times[name].append(_wall_ms(fn, device, iters))
-    finally:
-        if was_enabled:
-            gc.enable()
+                    times[name].append(wall_ms(fn, device, iters))
     return times
 
 
@@ -238,6 +215,8 @@ def train_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
     rows = []
     for batch, seq in ([(2, 16)] if small else [(4, 512), (8, 2048)]):
         ids = _tokens(vocab, batch, seq, device)
+        # the short step (tens of ms, where the host's jitter is a few percent of a sample) takes twice the rounds
+        step_rounds = rounds if batch * seq > 2048 else 2 * rounds
 
         def step(ids=ids):
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -247,7 +226,7 @@ def train_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
             opt.zero_grad(set_to_none=True)
 
         runs = {m: (lambda m=m: mode(m, model), step) for m in MODES}
-        rows.append(_row(f"train step {batch} x {seq}", name, alternate(runs, device, rounds, iters=2)))
+        rows.append(_row(f"train step {batch} x {seq}", name, alternate(runs, device, step_rounds, iters=2)))
     del model, opt
     return rows
 
@@ -272,107 +251,6 @@ def compile_phase(name: str, device, rounds: int) -> list[dict]:
     del copies, compiled, model
     torch._dynamo.reset()
     return [_row("torch.compile prefill 4 x 1024", name, ms)]
-
-
-def _per_call_us(pairs: dict, device, rounds: int, calls: int) -> dict:
-    """µs per call of each of two contenders, ``calls`` back-to-back calls a sample, their order reversed
-    every other round (``rounds`` rounded up to an even number): medians over rounds, and ``over``: the
-    median over pairs of consecutive rounds of (second - first), averaged over the pair (each contender is
-    timed once first and once second in a pair, so an effect of the place in a round cancels)."""
-    for fn in pairs.values():
-        for _ in range(20):
-            fn()
-    times = {k: [] for k in pairs}
-    names = list(pairs)
-    for r in range(rounds + rounds % 2):
-        for k in (names if r % 2 == 0 else names[::-1]):
-            times[k].append(_wall_ms(pairs[k], device, calls) * 1e3)
-    out = {k: statistics.median(v) for k, v in times.items()}
-    first, second = times[names[0]], times[names[1]]
-    out["over"] = statistics.median((second[i] + second[i + 1] - first[i] - first[i + 1]) / 2
-                                    for i in range(0, len(first) - 1, 2))
-    return out
-
-
-def per_call_rows(device, rounds: int = 41, calls: int = 400) -> list[dict]:
-    """Host cost per call of each entry point against the torch call it replaces (x 1 x 2048, weight
-    5632 x 2048, bf16 on a GPU; fp32 on the CPU), with and without autograd, and of a Sequential of that Linear,
-    GELU and a Linear back against the same modules fused (``tritonmm.fuse``); autocast forward + backward
-    with fp32 weights (512 x 2048 x 5632); a GEMM forced to the Triton pointer kernel against a bare
-    launch of the same compiled kernel."""
-    import torch.nn.functional as F
-
-    import tritonmm
-
-    gpu = device.type == "cuda"
-    dtype = torch.bfloat16 if gpu else torch.float32
-    K, N = (2048, 5632) if gpu else (64, 176)
-    rows = []
-
-    def add(what, base, ours, fns, rounds=rounds, calls=calls):
-        us = _per_call_us(fns, device, rounds, calls)
-        rows.append({"row": what, "torch": base, "tritonmm": ours, "torch_us": us[base], "tritonmm_us": us[ours],
-                     "over_us": us["over"], "ratio": us[base] / (us[base] + us["over"])})
-
-    x = torch.randn(1, K, device=device, dtype=dtype)
-    lin = torch.nn.Linear(K, N, device=device, dtype=dtype)
-    swapped = tritonmm.swap_linear(copy.deepcopy(lin))
-    w, b = lin.weight, lin.bias
-    seq = torch.nn.Sequential(lin, torch.nn.GELU(), torch.nn.Linear(N, K, device=device, dtype=dtype))
-    fused = tritonmm.fuse(copy.deepcopy(seq))
-    for grad in (False, True):
-        tag = "grad" if grad else "no_grad"
-        with torch.set_grad_enabled(grad):
-            add(f"nn.Linear, {tag}", "nn.Linear", "swapped", {"nn.Linear": lambda: lin(x), "swapped": lambda: swapped(x)})
-            add(f"F.linear, {tag}", "F.linear", "tritonmm.linear",
-                {"F.linear": lambda: F.linear(x, w, b), "tritonmm.linear": lambda: tritonmm.linear(x, w, b)})
-            wt = w.detach().t()
-            add(f"matmul, {tag}", "torch.matmul", "tritonmm.matmul",
-                {"torch.matmul": lambda: torch.matmul(x, wt), "tritonmm.matmul": lambda: tritonmm.matmul(x, wt)})
-            add(f"Linear + GELU + Linear, {tag}", "nn.Sequential", "fused",
-                {"nn.Sequential": lambda: seq(x), "fused": lambda: fused(x)})
-    if gpu:  # fp32 master weights under bf16 autocast, forward + backward
-        M = 512
-        x32 = torch.randn(M, K, device=device, requires_grad=True)
-        lin32 = torch.nn.Linear(K, N, device=device)
-        sw32 = tritonmm.swap_linear(copy.deepcopy(lin32))
-
-        def fwd_bwd(m):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y = m(x32)
-            y.float().sum().backward()
-
-        add("autocast fwd+bwd 512 x 2048 x 5632, fp32 weights", "nn.Linear", "swapped",
-            {"nn.Linear": lambda: fwd_bwd(lin32), "swapped": lambda: fwd_bwd(sw32)}, rounds=rounds, calls=20)
-        rows.append(_triton_route_row(device, rounds, calls))
-    return rows
-
-
-def _triton_route_row(device, rounds: int, calls: int) -> dict:
-    """tritonmm.matmul forced to the pointer kernel against the same compiled kernel launched bare
-    (output allocated, then one direct launch), 16 x 64 x 64 bf16."""
-    import tritonmm
-    from tritonmm.kernels import launchers
-
-    a = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
-    b = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
-    with tritonmm.force_backend("triton", "pointer"):
-        config = tritonmm.explain(a, b).config or None
-        tritonmm.matmul(a, b)
-    launch = launchers.pointer_launcher(16, 64, 64, 1, 1, (0, 0, 64, 1), (0, 0, 64, 1), (0, 0, 64, 1), a.dtype, device,
-                                        config=config)
-
-    def bare():
-        out = torch.empty(16, 64, device=device, dtype=a.dtype)
-        launch(a, b, out, None)
-
-    bare()
-    forced = tritonmm.force_backend("triton", "pointer", launch.state["config"])
-    with forced:
-        us = _per_call_us({"bare launch": bare, "tritonmm.matmul": lambda: tritonmm.matmul(a, b)}, device, rounds, calls)
-    return {"row": "Triton route, forced pointer kernel 16 x 64 x 64", "torch": "bare launch",
-            "tritonmm": "tritonmm.matmul", "torch_us": us["bare launch"], "tritonmm_us": us["tritonmm.matmul"],
-            "over_us": us["over"], "ratio": us["bare launch"] / (us["bare launch"] + us["over"])}
 
 
 def run(device, rounds: int = 15, configs=None, phases=None, progress=print, measured=None) -> dict:

@@ -3,7 +3,9 @@ contenders interleaved call by call (see :func:`_pair_times_ms`); an interval fo
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import math
 import platform
 import subprocess
@@ -129,3 +131,31 @@ def median_interval(values, confidence: float = 0.95) -> tuple:
         j += 1
         below += math.comb(n, j) / 2 ** n
     return (v[j], v[n - 1 - j]) if j >= 0 else (v[0], v[-1])
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def wall_ms(fn, device, iters: int) -> float:
+    """Wall milliseconds per call of ``iters`` back-to-back calls of ``fn``, between device syncs."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's garbage collector paused, as ``timeit`` pauses it (callers collect between rounds)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
