@@ -501,6 +501,29 @@ def test_instance_forward_and_backward_hooks_run_the_original_forward(monkeypatc
     assert seen == [1] and not calls
 
 
+def test_inputs_no_gated_kernel_takes_run_the_recognised_forward(monkeypatch):
+    """Where no gated kernel takes x (a CPU tensor outside Triton's interpreter, float64), the fused MLP runs its
+    recognised forward, as the unfused module does, without entering gated_linear; under the interpreter a CPU
+    float32 x of up to GATED_MAX_M rows enters it."""
+    from tritonmm import fusion
+
+    torch.manual_seed(0)
+    mlp = MLP()
+    fused = tritonmm.fuse(copy.deepcopy(mlp))
+    entered = []
+    monkeypatch.setattr(fusion, "gated_linear", lambda *a: entered.append(1) or gated.gated_linear(*a))
+    x = randn(3, 48)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch.testing.assert_close(fused(x), mlp(x), rtol=1e-5, atol=1e-5)
+    assert not entered
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.testing.assert_close(fused.double()(x.double()), mlp.double()(x.double()))
+    assert not entered
+    fused.float(), mlp.float()
+    torch.testing.assert_close(fused(x), mlp(x), rtol=1e-5, atol=1e-5)
+    assert entered == [1]
+
+
 def test_unknown_activation_and_other_forms_are_left_alone():
     assert not tritonmm.gated.__name__.endswith("fusion")
     mlp = MLP(act=nn.Tanh())

@@ -155,13 +155,22 @@ _is_compiling = torch.compiler.is_compiling
 _TORCH_LINEAR_FORWARDS = (_original_forward, _settled_forward)
 
 
+def _kernel_dtype_device(x) -> bool:
+    """Whether the gated kernels take ``x``'s dtype and device (False for what is not a tensor)."""
+    try:
+        return serves(x)
+    except AttributeError:
+        return False
+
+
 def _fused_forward(self, x):
     mods = self._modules
     gate, up, act, down = mods.get("gate_proj"), mods.get("up_proj"), mods.get("act_fn"), mods.get("down_proj")
     if type(x) is not _Proxy and gate is not None and up is not None and down is not None:  # (fx records modules)
         compiling = _is_compiling()
-        if not compiling and torch_serves(x, _param(gate, "weight", None)):  # first: the cheapest check
-            # the recognised forward on the modules already looked up (self.<name> costs a Module.__getattr__ each)
+        if not compiling and (torch_serves(x, _param(gate, "weight", None)) or not _kernel_dtype_device(x)):
+            # the recognised forward on the modules already looked up (self.<name> costs a Module.__getattr__ each):
+            # the torch expression serves the call (rows, FLOP), or no gated kernel takes x's dtype and device
             return down(act(gate(x)) * up(x)) if act is not None else down(self.act_fn(gate(x)) * up(x))
         name = activation_name(act)
         if name is not None and _linear_type(gate) and _linear_type(up) and not _any_hooked(gate, up, act):

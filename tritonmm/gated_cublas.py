@@ -27,7 +27,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def serves(t: torch.Tensor) -> bool:
     """Whether the product kernels take ``t``'s dtype and device (CUDA, or the CPU under the interpreter)."""
-    return t.dtype in KERNEL_DTYPES and (t.device.type == "cuda" or t.device.type == "cpu" and interpreting())
+    return (t.is_cuda or t.is_cpu and interpreting()) and t.dtype in KERNEL_DTYPES
 
 
 def packed(w_gate: torch.Tensor, w_up: torch.Tensor):

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import inspect
 import statistics
 
 import torch
 
 from .per_call import per_call_rows
-from .timing import gc_paused, median_interval, wall_ms
+from .timing import collect_young, gc_paused, median_interval, wall_ms
 
 CONFIGS = {
     # hidden 1024, 4 layers: host time dominates
@@ -102,7 +101,7 @@ def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) 
     rounds = -(-rounds // len(names)) * len(names)
     with gc_paused():
         for r in range(rounds):
-            gc.collect()
+            collect_young()
             order = names[r % len(names):] + names[:r % len(names)]
             ctx, fn = runs[order[0]]
             with ctx():

@@ -5,12 +5,11 @@ host sets the pace and the difference is what each call costs on the host."""
 from __future__ import annotations
 
 import copy
-import gc
 import statistics
 
 import torch
 
-from .timing import gc_paused, wall_ms
+from .timing import collect_young, gc_paused, wall_ms
 
 
 def per_call_us(pairs: dict, device, rounds: int, calls: int) -> dict:
@@ -26,7 +25,7 @@ def per_call_us(pairs: dict, device, rounds: int, calls: int) -> dict:
     names = list(pairs)
     with gc_paused():
         for r in range(rounds + rounds % 2):
-            gc.collect()
+            collect_young()
             for k in (names if r % 2 == 0 else names[::-1]):
                 times[k].append(wall_ms(pairs[k], device, calls) * 1e3)
     out = {k: statistics.median(v) for k, v in times.items()}
