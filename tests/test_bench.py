@@ -152,7 +152,7 @@ def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
         pytest.skip("the GPU run is the H200 step `model`")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the run, which turns it off for itself
     out = tmp_path / "model.json"
-    assert bench.main(["--model", "--rounds", "2", "--model-phases", "eager", "--json", str(out)]) == 0
+    assert bench.main(["--model", "--rounds", "2", "--model-phases", "eager", "per_call", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     phases = {r["phase"] for r in data["phases"]}
     assert {"eager prefill 1 x 16", "eager decode 1 seq x 4 tokens"} <= phases
@@ -167,7 +167,8 @@ def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
 
 
 def test_model_benchmark_keeps_the_phases_of_a_run_cut_short(tmp_path, monkeypatch):
-    """--json holds every phase measured so far (marked partial) when the run stops before its end."""
+    """--json holds every phase measured so far (marked partial) when the run stops before its end; without
+    ``per_call`` among the phases the per-call rows are not measured."""
     pytest.importorskip("transformers")
     import torch
 
@@ -182,8 +183,11 @@ def test_model_benchmark_keeps_the_phases_of_a_run_cut_short(tmp_path, monkeypat
 
     monkeypatch.setattr(model, "per_call_rows", cut)
     out = tmp_path / "model.json"
+    assert bench.main(["--model", "--rounds", "1", "--model-phases", "eager", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())  # per-call rows not asked for: none measured, the run complete
+    assert data["per_call"] == [] and "partial" not in data and data["phases"]
     with pytest.raises(KeyboardInterrupt):
-        bench.main(["--model", "--rounds", "1", "--model-phases", "eager", "--json", str(out)])
+        bench.main(["--model", "--rounds", "1", "--model-phases", "eager", "per_call", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["partial"] is True and data["per_call"] == [] and "machine" in data
     assert {r["phase"] for r in data["phases"]} >= {"eager prefill 1 x 16", "eager decode 1 seq x 4 tokens"}

@@ -253,18 +253,19 @@ def compile_phase(name: str, device, rounds: int) -> list[dict]:
 
 
 def run(device, rounds: int = 15, configs=None, phases=None, progress=print, measured=None) -> dict:
-    """Every phase of every config, then the per-call rows; returns what the JSON holds. ``rounds`` is
-    rounded up to whole blocks (:func:`alternate`). ``measured(rows)``, if given, gets the phase rows
-    measured so far after each phase (the CLI keeps them on disk, so a run cut short keeps its rows)."""
+    """Every phase of every config, then the per-call rows (``phases`` naming "per_call", as by default);
+    returns what the JSON holds. ``rounds`` is rounded up to whole blocks (:func:`alternate`). ``measured(rows)``,
+    if given, gets the phase rows measured so far after each phase (the CLI keeps them on disk, so a run cut short
+    keeps its rows)."""
     rounds = max(1, rounds)
     gpu = device.type == "cuda"
     configs = configs or (["small", "llama3-8b-2l"] if gpu else ["tiny"])
-    phases = phases or (["eager", "train", "compile"] if gpu else ["eager", "train"])
+    phases = phases or (["eager", "train", "compile", "per_call"] if gpu else ["eager", "train", "per_call"])
     rows = []
     progress(f"each phase as it ends:\n{_HEADER}")
     for name in configs:
         small = name == "tiny"
-        for phase in phases:
+        for phase in (p for p in phases if p != "per_call"):
             progress(f"model {name}: {phase}")
             fn = {"eager": eager_phases, "train": train_phases}.get(phase)
             new = fn(name, device, rounds, small) if fn else compile_phase(name, device, rounds)
@@ -275,6 +276,8 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print, mea
                 measured(rows)
             if gpu:
                 torch.cuda.empty_cache()
+    if "per_call" not in phases:
+        return {"phases": rows, "per_call": []}
     progress("measuring the per-call rows")
     return {"phases": rows, "per_call": per_call_rows(device)}
 
