@@ -14,8 +14,9 @@ from .timing import collect_young, gc_paused, wall_ms
 
 def per_call_us(pairs: dict, device, rounds: int, calls: int) -> dict:
     """µs per call of each of two contenders, ``calls`` back-to-back calls a sample, their order reversed
-    every other round (``rounds`` rounded up to an even number), Python's garbage collector paused within a
-    round (as :func:`alternate` pauses it): medians over rounds, and ``over``: the
+    every other round (``rounds`` rounded up to an even number), Python's garbage collector paused throughout
+    and its young generations collected between rounds (:func:`~tritonmm.bench.timing.gc_paused`): medians over
+    rounds, and ``over``: the
     median over pairs of consecutive rounds of (second - first), averaged over the pair (each contender is
     timed once first and once second in a pair, so an effect of the place in a round cancels)."""
     for fn in pairs.values():
