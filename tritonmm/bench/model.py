@@ -6,9 +6,9 @@ Phases (each timed per mode, the order of the modes rotated round by round, wall
 ``torch.cuda.synchronize()`` calls): eager prefill, eager decode with a KV cache, a training step
 (fp32 weights, bf16 autocast, AdamW), torch.compile prefill and CUDA-graph replay of a forward.
 Ratios are off time / on time (> 1: tritonmm faster), against an A/A control (tritonmm off as a second
-contender), each with a 95% interval (:func:`tritonmm.bench.timing.median_interval`). Eager prefill and
-decode, paced by the host, whose wall time varies by a few percent from sample to sample on a shared host,
-take twice the rounds.
+contender), each with a 95% interval (:func:`tritonmm.bench.timing.median_interval`). Eager decode, paced by
+the host, whose wall time varies by a few percent from sample to sample on a shared host, takes twice the
+rounds; eager and compiled prefill, as paced and with short samples (tens of ms a round), four times.
 """
 
 from __future__ import annotations
@@ -153,11 +153,12 @@ def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
     rows = []
     runs = lambda fn: {m: (lambda m=m: mode(m, model), fn) for m in MODES}  # noqa: E731
     host_rounds = 2 * rounds  # host-paced phases: more samples against the host's jitter
+    prefill_rounds = 4 * rounds  # as paced, and a round takes tens of ms
     prefill = [(1, 16)] if small else [(1, 512), (4, 1024)]
     for batch, seq in prefill:
         ids = _tokens(vocab, batch, seq, device)
         with torch.no_grad():
-            ms = alternate(runs(lambda: model(ids, use_cache=False)), device, host_rounds, iters=3)
+            ms = alternate(runs(lambda: model(ids, use_cache=False)), device, prefill_rounds, iters=3)
         rows.append(_row(f"eager prefill {batch} x {seq}", name, ms))
     from transformers import DynamicCache
 
@@ -246,7 +247,7 @@ def compile_phase(name: str, device, rounds: int) -> list[dict]:
     runs = {m: (patched if m == "patch" else contextlib.nullcontext, lambda m=m: compiled[m](ids, use_cache=False))
             for m in compiled}
     with torch.no_grad():
-        ms = alternate(runs, device, rounds, iters=5, warmup=3)
+        ms = alternate(runs, device, 4 * rounds, iters=5, warmup=3)  # short rounds: four times as many
     del copies, compiled, model
     torch._dynamo.reset()
     return [_row("torch.compile prefill 4 x 1024", name, ms)]
