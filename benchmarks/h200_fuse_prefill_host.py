@@ -45,10 +45,9 @@ for config in ("llama3-8b-2l", "small"):
                     t2 = time.perf_counter_ns()
                     issue[m].append(((t1 - t0) / 1e3, (t2 - t0) / 1e3))
         for m, v in issue.items():
-            rows[f"{config} prefill 1 x 512 {m}"] = {"issue_us": statistics.median(a for a, _ in v),
-                                                     "wall_us": statistics.median(b for _, b in v)}
-            print(config, m, "issue us", rows[f"{config} prefill 1 x 512 {m}"]["issue_us"],
-                  "wall us", rows[f"{config} prefill 1 x 512 {m}"]["wall_us"])
+            row = rows[f"{config} prefill 1 x 512 {m}"] = {"issue_us": statistics.median(a for a, _ in v),
+                                                           "wall_us": statistics.median(b for _, b in v)}
+            print(config, m, "issue us", row["issue_us"], "wall us", row["wall_us"])
         for m in ("off", "fuse"):
             with mode(m, model):
                 fwd()
@@ -65,6 +64,7 @@ for config in ("llama3-8b-2l", "small"):
                 print(s.getvalue()[-5000:])
     del model
     torch.cuda.empty_cache()
-os.makedirs(os.environ.get("OUT", "/tmp/out"), exist_ok=True)
-with open(os.path.join(os.environ.get("OUT", "/tmp/out"), "h200_fuse_prefill_host.json"), "w") as f:
+out_dir = os.environ.get("OUT", "/tmp/out")
+os.makedirs(out_dir, exist_ok=True)
+with open(os.path.join(out_dir, "h200_fuse_prefill_host.json"), "w") as f:
     json.dump({"what": __doc__.split("\n\n")[0], "rows": rows}, f, indent=1)

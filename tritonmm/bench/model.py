@@ -152,7 +152,7 @@ def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
     vocab = model.config.vocab_size
     rows = []
     runs = lambda fn: {m: (lambda m=m: mode(m, model), fn) for m in MODES}  # noqa: E731
-    host_rounds = 2 * rounds  # host-paced phases: more samples against the host's jitter
+    decode_rounds = 2 * rounds  # paced by the host: more samples against its jitter
     prefill_rounds = 4 * rounds  # as paced, and a round takes tens of ms
     prefill = [(1, 16)] if small else [(1, 512), (4, 1024)]
     for batch, seq in prefill:
@@ -176,7 +176,7 @@ def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
             return out.logits
 
         with torch.no_grad():
-            ms = alternate(runs(decode), device, host_rounds, iters=1)
+            ms = alternate(runs(decode), device, decode_rounds, iters=1)
         rows.append(_row(f"eager decode {batch} seq x {new_tokens} tokens", name, ms))
     if device.type == "cuda":
         for batch, seq in ((1, 16), (1, 128), (4, 512)):
