@@ -70,6 +70,25 @@ def serve_eager(monkeypatch):
     monkeypatch.setattr(qkv, "SERVE_EAGER", True)
 
 
+def test_capture_check_asks_the_driver_only_off_the_default_stream(monkeypatch):
+    """The default stream (raw stream 0) cannot capture: no driver query for it; any other stream is asked, as
+    every stream is where torch has no raw-stream binding."""
+    class CudaLike:
+        is_cuda = True
+
+        def get_device(self):
+            return 0
+
+    asked = []
+    monkeypatch.setattr(qkv, "_capturing", lambda: asked.append(1) or True)
+    monkeypatch.setattr(qkv, "_raw_stream", lambda index: 0)
+    assert not qkv._captured(CudaLike()) and not asked
+    monkeypatch.setattr(qkv, "_raw_stream", lambda index: 0x7F00)
+    assert qkv._captured(CudaLike()) and asked == [1]
+    monkeypatch.setattr(qkv, "_raw_stream", None)
+    assert qkv._captured(CudaLike()) and asked == [1, 1]
+
+
 def test_by_default_only_calls_under_cuda_graph_capture_are_served(linear_calls, monkeypatch):
     ref, attn = fused_copy(Attention)
     x = randn(2, 5, 32, dtype=torch.float64)

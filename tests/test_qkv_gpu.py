@@ -74,3 +74,23 @@ def test_decode_and_graph_capture_match_unfused(models, monkeypatch):
         torch.cuda.synchronize()
     assert len(calls) == 2  # the capture, two layers (not the warm-up)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_captured_tells_the_default_stream_side_streams_and_capture_apart():
+    """Served only while the tensor's device's current stream captures: not on the default stream (told apart
+    without a driver call), not on a side stream outside capture, not for a CPU tensor."""
+    x = torch.randn(4, device="cuda")
+    assert not qkv._captured(x) and not qkv._captured(x.cpu())
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        assert not qkv._captured(x)
+    torch.cuda.current_stream().wait_stream(s)
+    seen = []
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        seen.append(qkv._captured(x))
+        y = x * 2
+    g.replay()
+    torch.cuda.synchronize()
+    assert seen == [True] and torch.equal(y, x * 2)

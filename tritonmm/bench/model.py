@@ -7,8 +7,8 @@ Phases (each timed per mode, the order of the modes rotated round by round, wall
 (fp32 weights, bf16 autocast, AdamW), torch.compile prefill and CUDA-graph replay of a forward.
 Ratios are off time / on time (> 1: tritonmm faster), against an A/A control (tritonmm off as a second
 contender), each with a 95% interval (:func:`tritonmm.bench.timing.median_interval`). Eager decode, paced by
-the host, whose wall time varies by a few percent from sample to sample on a shared host, takes twice the
-rounds; eager and compiled prefill, as paced and with short samples (tens of ms a round), four times.
+the host, whose wall time varies by a few percent from sample to sample on a shared host, and eager and compiled
+prefill, as paced and with short samples (tens of ms a round), take four times the rounds.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
     vocab = model.config.vocab_size
     rows = []
     runs = lambda fn: {m: (lambda m=m: mode(m, model), fn) for m in MODES}  # noqa: E731
-    decode_rounds = 2 * rounds  # paced by the host: more samples against its jitter
+    decode_rounds = 4 * rounds  # paced by the host: more samples against its jitter
     prefill_rounds = 4 * rounds  # as paced, and a round takes tens of ms
     prefill = [(1, 16)] if small else [(1, 512), (4, 1024)]
     for batch, seq in prefill:
