@@ -646,6 +646,62 @@ def test_forward_only_plan(monkeypatch):
     assert len(keyed) == 2 and type(z.grad_fn).__name__ == "_LinearFunctionBackward"
 
 
+@pytest.mark.parametrize("entry", ["linear", "swapped"])
+def test_sizes_whose_forward_resolved_to_torch_are_served_from_the_plan(entry, monkeypatch):
+    """A weight some GEMM of which may reach Triton (plan 0): a 16-bit call without autograd or autocast whose
+    forward resolved to torch is F.linear itself at its next call of as many input elements; other sizes,
+    calls with autograd, under autocast or forced, of another dtype or with an activation take the route, and a
+    moved weight or clear_cache forgets the sizes."""
+    monkeypatch.setattr(dispatch, "torch_everywhere",  # the forward at 12 rows goes to torch, all else to Triton
+                        lambda problems, dtype, device: len(problems) == 1 and problems[0][0] == 12)
+    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device, backward=True: False)
+    keyed = []
+    orig = routes.linear_keyed
+    monkeypatch.setattr(routes, "linear_keyed", lambda *a: keyed.append(a[0].shape) or orig(*a))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 8, bias=True).to(torch.bfloat16)
+    w, b = lin.weight, lin.bias
+    call = (lambda x: tritonmm.linear(x, w, b)) if entry == "linear" else tritonmm.swap_linear(lin)
+    x, x3 = randn(12, 16, dtype=torch.bfloat16), randn(3, 4, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(call(x), F.linear(x, w, b))
+        assert routes.plans[id(w)][0] == 0 and routes.plans[id(w)][3] == {12 * 16}
+        keyed.clear()
+        for a in (x, x3):  # (3, 4, 16): as many elements
+            torch.testing.assert_close(call(a), F.linear(a, w, b))
+        assert keyed == []
+        call(randn(5, 16, dtype=torch.bfloat16))  # Triton at 5 rows
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            call(x)
+        with tritonmm.force_backend("torch"):
+            call(x)
+        monkeypatch.setenv("TRITONMM_BACKEND", "torch")
+        call(x[:7])  # torch, forced: not kept
+        monkeypatch.delenv("TRITONMM_BACKEND")
+        call(x[:7])
+        assert keyed == [(5, 16), (12, 16), (12, 16), (7, 16), (7, 16)]
+        if entry == "linear":
+            keyed.clear()
+            tritonmm.linear(x, w, b, "relu")
+            assert keyed == [(12, 16)]
+    keyed.clear()
+    out = call(x.clone().requires_grad_())
+    assert keyed == [(12, 16)] and out.grad_fn is not None
+    with torch.no_grad():
+        keyed.clear()
+        w.data = w.data.clone()  # moved: a new plan
+        call(x)
+        assert keyed == [(12, 16)] and routes.plans[id(w)][3] == {12 * 16}
+        tritonmm.clear_cache()
+        keyed.clear()
+        call(x)
+        assert keyed == [(12, 16)]
+    f32 = torch.nn.Linear(16, 8)
+    with torch.no_grad():
+        tritonmm.linear(randn(12, 16), f32.weight)
+    assert routes.plans[id(f32.weight)][3] == set()  # float32: precision settings take part in the decision
+
+
 def _settled(m) -> bool:
     return "_tritonmm_unsettled" in type(m).__dict__
 

@@ -34,6 +34,7 @@ _compiler = torch.compiler if isinstance(getattr(torch.compiler, "_is_compiling_
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # True under Dynamo (constant); 30 ns in eager
 _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
 _F_linear = F.linear
 _matmul = torch.matmul
 _activation = activations.apply
@@ -120,15 +121,19 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
         except (AttributeError, RuntimeError):  # not a tensor, no storage
             pass
     else:
-        plan = _plans_get(id(weight))  # a weight free of tritonmm in its forward only
-        if plan is not None and plan[0] and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
+        plan = _plans_get(id(weight))  # free of tritonmm in its forward only, or at this input's size
+        if plan is not None and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
             try:
                 if plan[1] == weight.data_ptr() and activation in _EPILOGUES and not (
                         _grad_enabled() and (input.requires_grad or weight.requires_grad
                                              or bias is not None and bias.requires_grad)):
-                    if activation == "none":
+                    if plan[0]:
+                        if activation == "none":
+                            return _F_linear(input, weight, bias)
+                        return _activation(_F_linear(input, weight, bias), activation)
+                    if activation == "none" and input.numel() in plan[3] and input.dtype is weight.dtype \
+                            and not _any_autocast():
                         return _F_linear(input, weight, bias)
-                    return _activation(_F_linear(input, weight, bias), activation)
             except (AttributeError, RuntimeError):
                 pass
     if (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()) or _tracing_state() is not None:

@@ -15,14 +15,20 @@ from . import dispatch, modes
 from ._env import raw_get, raw_name
 
 _forced = dispatch._forced.get
+_any_autocast = torch._C._is_any_autocast_enabled
+_ROW_DTYPES = (torch.float16, torch.bfloat16)
 _BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")
 _PLAIN = modes.PLAIN
 _tracing_state = torch._C._get_tracing_state
 
 PLANS_MAX = 1 << 16
+ROWS_MAX = 64
+"""Input element counts kept per weight plan (:func:`torch_rows`)."""
 plans: dict = {}
-"""Weight plans: id(weight) -> (free, data_ptr, shape); ``free`` is 2 where :func:`dispatch.weight_free`
-holds for every GEMM of the weight, 1 where only for its forward (calls without autograd), else 0."""
+"""Weight plans: id(weight) -> (free, data_ptr, shape, rows); ``free`` is 2 where :func:`dispatch.weight_free`
+holds for every GEMM of the weight, 1 where only for its forward (calls without autograd), else 0; ``rows``
+(a set where ``free`` is 0, else None): the element counts of 16-bit inputs of the weight's dtype whose forward
+resolved to torch itself (:func:`torch_rows`)."""
 free_ptrs: dict = {}
 """id(weight) -> data_ptr of the weights whose plan is 2: the first lookup of :mod:`tritonmm.api`'s calls."""
 
@@ -43,7 +49,7 @@ def plan(weight: Tensor, N: int, K: int) -> None:
     dtype, device = weight.dtype, weight.device
     free = 2 if dispatch.weight_free(N, K, dtype, device) else int(dispatch.weight_free(N, K, dtype, device, False))
     ptr = weight.data_ptr()
-    plans[id(weight)] = (free, ptr, weight.shape)
+    plans[id(weight)] = (free, ptr, weight.shape, None if free else set())
     if free == 2:
         free_ptrs[id(weight)] = ptr
     else:
@@ -57,3 +63,23 @@ def planned(weight: Tensor) -> bool:
         return current is not None and current[1] == weight.data_ptr() and current[2] == weight.shape
     except RuntimeError:  # no storage (functorch's batched tensors): plan() decides
         return False
+
+
+def torch_rows(weight: Tensor, input: Tensor, activation: str) -> None:
+    """Record in ``weight``'s current plan, where some GEMM of the weight may reach Triton (``free`` 0), that
+    the forward of a call on ``input`` resolved to torch itself: :mod:`tritonmm.routes` decides a linear forward
+    by the input's element count, dtype and device for a given weight (and the state :mod:`tritonmm.api` checks
+    before reading the plan), so later calls without autograd or autocast on a 16-bit input of the weight's
+    dtype with as many elements and no activation are served as ``F.linear`` after the plan's lookup (the
+    Llama-3-8B lm_head's decode calls on the H200: ``benchmarks/h200_decode_routes.json``, 2-3 us over F.linear
+    instead of 4-7, ``benchmarks/h200_plan_rows.json``). Called where such a call resolved to torch."""
+    current = plans.get(id(weight))
+    if current is None or current[0] or activation != "none":
+        return
+    sizes, n = current[3], input.numel()
+    if n in sizes or len(sizes) >= ROWS_MAX or _any_autocast() or _forced() is not None \
+            or raw_get(_BACKEND) is not None or raw_get(_KERNEL) is not None:
+        return  # (forced decisions are not the dispatcher's)
+    dtype = input.dtype
+    if dtype is weight.dtype and dtype in _ROW_DTYPES and type(input) in _PLAIN and input.device == weight.device:
+        sizes.add(n)

@@ -28,7 +28,7 @@ from torch.fx import Proxy as _Proxy
 from . import activations, dispatch, first_sight, grads, modes, runners, shapes
 from ._env import raw_get, raw_name
 from .layout import tag as layout_tag
-from .plans import free_ptrs, plan, planned, plans
+from .plans import free_ptrs, plan, planned, plans, torch_rows
 
 CACHE_MAX = 4096
 _cache: dict = {}
@@ -409,8 +409,10 @@ def linear_keyed(input: Tensor, weight: Tensor, bias, activation: str) -> Tensor
         if shapes.torch_form(input, weight, bias):  # F.linear's own checks, autograd and autocast: nothing to decide
             return runners.torch_linear(input, weight, bias, activation, inplace=False)
         fn = _linear_entry(key, input, weight, bias, activation, key[5])
-    if (fn in _TORCH_LINEAR or type(fn) is Route and fn.forward_torch) and not planned(weight):
-        plan(weight, *weight.shape)
+    if fn in _TORCH_LINEAR or type(fn) is Route and fn.forward_torch:
+        if not planned(weight):
+            plan(weight, *weight.shape)
+        torch_rows(weight, input, activation)
     return fn(input, weight, bias)
 
 
