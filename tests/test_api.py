@@ -702,6 +702,45 @@ def test_sizes_whose_forward_resolved_to_torch_are_served_from_the_plan(entry, m
     assert routes.plans[id(f32.weight)][3] == set()  # float32: precision settings take part in the decision
 
 
+def test_sizes_kept_in_a_plan_serve_only_the_weight_as_planned_and_plain_inputs(monkeypatch):
+    """A weight reshaped or reinterpreted in place (same address) or an fx Proxy input is not served from the
+    sizes its plan keeps: the route decides, and explain agrees with what runs."""
+    import torch.fx
+
+    monkeypatch.setattr(dispatch, "torch_everywhere",
+                        lambda problems, dtype, device: len(problems) == 1 and problems[0][0] == 12
+                        and dtype is torch.bfloat16)
+    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device, backward=True: False)
+    keyed = []
+    orig = routes.linear_keyed
+    monkeypatch.setattr(routes, "linear_keyed", lambda *a: keyed.append(a[0].shape) or orig(*a))
+    for change in ("t_", "view_dtype"):
+        w = randn(8, 16, dtype=torch.bfloat16)
+        with torch.no_grad():
+            tritonmm.linear(randn(12, 16, dtype=torch.bfloat16), w)
+            if change == "t_":
+                w.t_()
+                x = randn(24, 8, dtype=torch.bfloat16)  # as many elements
+            else:
+                w.data = w.data.view(torch.float16)
+                x = randn(12, 16, dtype=torch.float16)
+            keyed.clear()
+            assert tritonmm.explain(x, w.t()).backend == "triton"
+            torch.testing.assert_close(tritonmm.linear(x, w), F.linear(x, w), rtol=1e-2, atol=1e-2)
+            assert keyed == [x.shape], change
+    w = randn(8, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        tritonmm.linear(randn(12, 16, dtype=torch.bfloat16), w)
+
+    class Closure(torch.nn.Module):
+        def forward(self, a):
+            return tritonmm.linear(a, w)
+
+    graph = torch.fx.symbolic_trace(Closure()).graph  # grad mode: a Proxy's requires_grad is not truth-tested
+    calls = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert calls == [torch.ops.tritonmm.linear.default] or [str(c) for c in calls] == ["tritonmm.linear"], calls
+
+
 def _settled(m) -> bool:
     return "_tritonmm_unsettled" in type(m).__dict__
 

@@ -35,6 +35,7 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling  # True under Dynamo (con
 _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
+_PLAIN = modes.PLAIN
 _F_linear = F.linear
 _matmul = torch.matmul
 _activation = activations.apply
@@ -122,7 +123,8 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
             pass
     else:
         plan = _plans_get(id(weight))  # free of tritonmm in its forward only, or at this input's size
-        if plan is not None and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
+        if plan is not None and (plan[0] or type(input) in _PLAIN) and _forced() is None \
+                and _BACKEND not in raw_env and _KERNEL not in raw_env:  # (plan 0: no fx Proxy's truth tested)
             try:
                 if plan[1] == weight.data_ptr() and activation in _EPILOGUES and not (
                         _grad_enabled() and (input.requires_grad or weight.requires_grad
@@ -131,8 +133,8 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
                         if activation == "none":
                             return _F_linear(input, weight, bias)
                         return _activation(_F_linear(input, weight, bias), activation)
-                    if activation == "none" and input.numel() in plan[3] and input.dtype is weight.dtype \
-                            and not _any_autocast():
+                    if activation == "none" and input.numel() in plan[3] and input.dtype is plan[4] \
+                            and not _any_autocast() and plan[2] == weight.shape:
                         return _F_linear(input, weight, bias)
             except (AttributeError, RuntimeError):
                 pass

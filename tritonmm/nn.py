@@ -36,8 +36,8 @@ from torch.nn.utils import parametrize
 from . import api as _api
 from . import dispatch
 from ._env import raw_env
-from .api import (_BACKEND, _KERNEL, _F_linear, _any_autocast, _dynamo_compiling, _forced,  # the fast path's
-                  _grad_enabled, _plans_get, _tracing_state, linear)  # bound callables
+from .api import (_BACKEND, _KERNEL, _PLAIN, _F_linear, _any_autocast, _dynamo_compiling, _forced,  # the fast
+                  _grad_enabled, _plans_get, _tracing_state, linear)  # path's bound callables
 
 
 class TritonLinear(nn.Linear):
@@ -161,7 +161,8 @@ def _swapped_forward(self, input):
     weight, bias = self.weight, self.bias
     if not _dynamo_compiling():
         plan = _plans_get(id(weight))
-        if plan is not None and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
+        if plan is not None and (plan[0] or type(input) in _PLAIN) and _forced() is None \
+                and _BACKEND not in raw_env and _KERNEL not in raw_env:
             try:
                 if plan[1] == weight.data_ptr():
                     if plan[0] == 2:
@@ -169,8 +170,8 @@ def _swapped_forward(self, input):
                         return _F_linear(input, weight, bias)
                     if not (_grad_enabled() and (input.requires_grad or weight.requires_grad
                                                  or bias is not None and bias.requires_grad)) and (
-                            plan[0] or input.numel() in plan[3] and input.dtype is weight.dtype
-                            and not _any_autocast()):  # (the forward resolved to torch at this input's size)
+                            plan[0] or input.numel() in plan[3] and input.dtype is plan[4] and not _any_autocast()
+                            and plan[2] == weight.shape):  # (the forward resolved to torch at this input's size)
                         return _F_linear(input, weight, bias)
             except (AttributeError, RuntimeError):  # not a tensor, no storage
                 pass

@@ -25,10 +25,10 @@ PLANS_MAX = 1 << 16
 ROWS_MAX = 64
 """Input element counts kept per weight plan (:func:`torch_rows`)."""
 plans: dict = {}
-"""Weight plans: id(weight) -> (free, data_ptr, shape, rows); ``free`` is 2 where :func:`dispatch.weight_free`
-holds for every GEMM of the weight, 1 where only for its forward (calls without autograd), else 0; ``rows``
-(a set where ``free`` is 0, else None): the element counts of 16-bit inputs of the weight's dtype whose forward
-resolved to torch itself (:func:`torch_rows`)."""
+"""Weight plans: id(weight) -> (free, data_ptr, shape, rows, dtype); ``free`` is 2 where
+:func:`dispatch.weight_free` holds for every GEMM of the weight, 1 where only for its forward (calls without
+autograd), else 0; ``rows`` (a set where ``free`` is 0, else None): the element counts of 16-bit inputs of the
+weight's dtype (``dtype``, as planned) whose forward resolved to torch itself (:func:`torch_rows`)."""
 free_ptrs: dict = {}
 """id(weight) -> data_ptr of the weights whose plan is 2: the first lookup of :mod:`tritonmm.api`'s calls."""
 
@@ -49,7 +49,7 @@ def plan(weight: Tensor, N: int, K: int) -> None:
     dtype, device = weight.dtype, weight.device
     free = 2 if dispatch.weight_free(N, K, dtype, device) else int(dispatch.weight_free(N, K, dtype, device, False))
     ptr = weight.data_ptr()
-    plans[id(weight)] = (free, ptr, weight.shape, None if free else set())
+    plans[id(weight)] = (free, ptr, weight.shape, None if free else set(), dtype)
     if free == 2:
         free_ptrs[id(weight)] = ptr
     else:
@@ -70,7 +70,8 @@ def torch_rows(weight: Tensor, input: Tensor, activation: str) -> None:
     the forward of a call on ``input`` resolved to torch itself: :mod:`tritonmm.routes` decides a linear forward
     by the input's element count, dtype and device for a given weight (and the state :mod:`tritonmm.api` checks
     before reading the plan), so later calls without autograd or autocast on a 16-bit input of the weight's
-    dtype with as many elements and no activation are served as ``F.linear`` after the plan's lookup (the
+    dtype with as many elements and no activation, the weight's shape and dtype as planned, are served as
+    ``F.linear`` after the plan's lookup (the
     Llama-3-8B lm_head's decode calls on the H200: ``benchmarks/h200_decode_routes.json``, 2-3 us over F.linear
     instead of 4-7, ``benchmarks/h200_plan_rows.json``). Called where such a call resolved to torch."""
     current = plans.get(id(weight))
@@ -81,5 +82,6 @@ def torch_rows(weight: Tensor, input: Tensor, activation: str) -> None:
             or raw_get(_BACKEND) is not None or raw_get(_KERNEL) is not None:
         return  # (forced decisions are not the dispatcher's)
     dtype = input.dtype
-    if dtype is weight.dtype and dtype in _ROW_DTYPES and type(input) in _PLAIN and input.device == weight.device:
+    if dtype is current[4] and dtype is weight.dtype and dtype in _ROW_DTYPES and type(input) in _PLAIN \
+            and current[2] == weight.shape and input.device == weight.device:
         sizes.add(n)
