@@ -2,12 +2,13 @@
 patched in eager decode of the Llama-3-8B-sized model (kernels run, host ops, settled classes), the in-situ
 cost of each check of the fast path, the host cost of a fused MLP at decode sizes, and eager decode with
 ``fuse`` against off. Run from the repository root with PYTHONPATH=. on a GPU, optionally naming the parts
-(decode checks mlp fuse); prints its findings. On a CPU it dry-runs a tiny model."""
+(decode checks mlp fuse; DIAG_BATCHES="1 16" the decode's batch sizes); prints its findings. On a CPU it dry-runs a tiny model."""
 import collections
 import contextlib
 import copy
 import cProfile
 import inspect
+import os
 import pstats
 import sys
 
@@ -39,7 +40,15 @@ if "decode" in part:
         finally:
             tritonmm.unswap_linear(model)
 
-    for batch in (1, 16):
+    @contextlib.contextmanager
+    def swap_lm_only():
+        tritonmm.swap_linear(model, lambda m, n: n == "lm_head")
+        try:
+            yield
+        finally:
+            tritonmm.unswap_linear(model)
+
+    for batch in [int(b) for b in os.environ.get("DIAG_BATCHES", "1 16").split()]:
         prompt, step = bm._tokens(vocab, batch, 64, dev), bm._tokens(vocab, batch, 32, dev)
 
         def decode(prompt=prompt, step=step):
@@ -50,7 +59,7 @@ if "decode" in part:
             return out.logits
 
         ctxs = {"off": lambda: bm.mode("off", model), "swap": lambda: bm.mode("swap", model),
-                "patch": lambda: bm.mode("patch", model), "swap_no_lm": swap_no_lm}
+                "patch": lambda: bm.mode("patch", model), "swap_no_lm": swap_no_lm, "swap_lm_only": swap_lm_only}
         kern = {}
         with torch.no_grad():
             for name, ctx in ctxs.items():
