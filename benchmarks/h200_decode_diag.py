@@ -7,14 +7,12 @@ import collections
 import contextlib
 import copy
 import cProfile
-import inspect
 import os
 import pstats
 import sys
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 import tritonmm
 from tritonmm import api, routes
@@ -30,7 +28,6 @@ part = sys.argv[1:] or ["decode", "checks", "mlp", "fuse"]
 if "decode" in part:
     model = bm.build_model(CONFIG, dev, torch.bfloat16)
     vocab = model.config.vocab_size
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @contextlib.contextmanager
     def swap_no_lm():
@@ -50,14 +47,7 @@ if "decode" in part:
 
     for batch in [int(b) for b in os.environ.get("DIAG_BATCHES", "1 16").split()]:
         prompt, step = bm._tokens(vocab, batch, 64, dev), bm._tokens(vocab, batch, 32, dev)
-
-        def decode(prompt=prompt, step=step):
-            cache = DynamicCache()
-            out = model(prompt, use_cache=True, **{cache_arg: cache})
-            for t in range(32):
-                out = model(step[:, t:t + 1], use_cache=True, **{cache_arg: cache})
-            return out.logits
-
+        decode = bm.decoder(model, prompt, step)
         ctxs = {"off": lambda: bm.mode("off", model), "swap": lambda: bm.mode("swap", model),
                 "patch": lambda: bm.mode("patch", model), "swap_no_lm": swap_no_lm, "swap_lm_only": swap_lm_only}
         kern = {}
@@ -167,15 +157,8 @@ if "fuse" in part:  # eager decode with the model fused: host ops and kernels, a
     for config in (("small", "llama3-8b-2l") if dev.type == "cuda" else ("tiny",)):
         model = bm.build_model(config, dev, torch.bfloat16)
         vocab = model.config.vocab_size
-        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         prompt, step = bm._tokens(vocab, 1, 64, dev), bm._tokens(vocab, 1, 32, dev)
-
-        def decode(prompt=prompt, step=step):
-            cache = DynamicCache()
-            out = model(prompt, use_cache=True, **{cache_arg: cache})
-            for t in range(32):
-                out = model(step[:, t:t + 1], use_cache=True, **{cache_arg: cache})
-            return out.logits
+        decode = bm.decoder(model, prompt, step)
 
         @contextlib.contextmanager
         def mlp_only():

@@ -8,12 +8,10 @@ Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/h200_lm_head_decode.py  (print
 $OUT/h200_lm_head_decode.json). On a CPU it dry-runs a tiny model.
 """
 import contextlib
-import inspect
 import json
 import os
 
 import torch
-from transformers import DynamicCache
 
 import tritonmm
 from tritonmm import nn as tnn
@@ -23,16 +21,7 @@ dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 config, batch = ("llama3-8b-2l", 16) if dev.type == "cuda" else ("tiny", 2)
 model = bm.build_model(config, dev, torch.bfloat16)
 vocab = model.config.vocab_size
-cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-prompt, step = bm._tokens(vocab, batch, 64, dev), bm._tokens(vocab, batch, 32, dev)
-
-
-def decode():
-    cache = DynamicCache()
-    out = model(prompt, use_cache=True, **{cache_arg: cache})
-    for t in range(32):
-        out = model(step[:, t:t + 1], use_cache=True, **{cache_arg: cache})
-    return out.logits
+decode = bm.decoder(model, bm._tokens(vocab, batch, 64, dev), bm._tokens(vocab, batch, 32, dev))
 
 
 @contextlib.contextmanager

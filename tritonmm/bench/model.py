@@ -145,6 +145,24 @@ def _tokens(vocab: int, batch: int, seq: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
 
 
+def decoder(model, prompt: torch.Tensor, step: torch.Tensor):
+    """A function running one eager decode of ``model`` with a fresh KV cache (transformers' ``DynamicCache``):
+    ``prompt`` (batch, tokens) as one forward, then each column of ``step`` (batch, new tokens) as a forward of one
+    token per sequence; it returns the last logits."""
+    from transformers import DynamicCache
+
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def decode():
+        cache = DynamicCache()  # filled in place by each forward
+        out = model(prompt, use_cache=True, **{cache_arg: cache})
+        for t in range(step.shape[1]):
+            out = model(step[:, t:t + 1], use_cache=True, **{cache_arg: cache})
+        return out.logits
+
+    return decode
+
+
 def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
     """Prefill, decode and (on a GPU) graph replay, eager, bf16 weights."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -160,21 +178,9 @@ def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
         with torch.no_grad():
             ms = alternate(runs(lambda: model(ids, use_cache=False)), device, prefill_rounds, iters=3)
         rows.append(_row(f"eager prefill {batch} x {seq}", name, ms))
-    from transformers import DynamicCache
-
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     new_tokens = 4 if small else 32
     for batch in ((1,) if small else (1, 16)):
-        prompt = _tokens(vocab, batch, 8 if small else 64, device)
-        step = _tokens(vocab, batch, new_tokens, device)
-
-        def decode(prompt=prompt, step=step):
-            cache = DynamicCache()  # filled in place by each forward
-            out = model(prompt, use_cache=True, **{cache_arg: cache})
-            for t in range(new_tokens):
-                out = model(step[:, t:t + 1], use_cache=True, **{cache_arg: cache})
-            return out.logits
-
+        decode = decoder(model, _tokens(vocab, batch, 8 if small else 64, device), _tokens(vocab, batch, new_tokens, device))
         with torch.no_grad():
             ms = alternate(runs(decode), device, decode_rounds, iters=1)
         rows.append(_row(f"eager decode {batch} seq x {new_tokens} tokens", name, ms))
