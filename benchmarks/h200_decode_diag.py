@@ -2,7 +2,8 @@
 patched in eager decode of the Llama-3-8B-sized model (kernels run, host ops, settled classes), the in-situ
 cost of each check of the fast path, the host cost of a fused MLP at decode sizes, and eager decode with
 ``fuse`` against off. Run from the repository root with PYTHONPATH=. on a GPU, optionally naming the parts
-(decode checks mlp fuse; DIAG_BATCHES="1 16" the decode's batch sizes); prints its findings. On a CPU it dry-runs a tiny model."""
+(decode checks mlp fuse; DIAG_BATCHES="1 16" the decode's batch sizes); prints its findings. On a CPU it
+dry-runs a tiny model."""
 import collections
 import contextlib
 import copy
@@ -49,7 +50,8 @@ if "decode" in part:
         prompt, step = bm._tokens(vocab, batch, 64, dev), bm._tokens(vocab, batch, 32, dev)
         decode = bm.decoder(model, prompt, step)
         ctxs = {"off": lambda: bm.mode("off", model), "swap": lambda: bm.mode("swap", model),
-                "patch": lambda: bm.mode("patch", model), "swap_no_lm": swap_no_lm, "swap_lm_only": swap_lm_only}
+                "patch": lambda: bm.mode("patch", model), "swap_no_lm": swap_no_lm,
+                "swap_lm_only": swap_lm_only}
         kern = {}
         with torch.no_grad():
             for name, ctx in ctxs.items():

@@ -44,7 +44,8 @@ runs = {"off": (contextlib.nullcontext, decode), "lm_swap": (lm_swap, decode),
 reps = []
 with torch.no_grad():
     for rep in range(3):
-        row = bm._row(f"eager decode {batch} seq x 32 tokens", config, bm.alternate(runs, dev, 40 if dev.type == "cuda" else 4))
+        ms = bm.alternate(runs, dev, 40 if dev.type == "cuda" else 4)
+        row = bm._row(f"eager decode {batch} seq x 32 tokens", config, ms)
         keep = {k: (round(v, 4) if isinstance(v, float) else [round(x, 4) for x in v])
                 for k, v in row.items() if k.endswith(("_ms", "_ratio", "_interval")) and k != "rounds_ms"}
         print(rep, keep, flush=True)
@@ -52,5 +53,6 @@ with torch.no_grad():
 out = os.environ.get("OUT", "/tmp/out")
 os.makedirs(out, exist_ok=True)
 with open(os.path.join(out, "h200_lm_head_decode.json"), "w") as f:
-    json.dump({"what": __doc__.split("\n\n")[0], "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-               "torch": torch.__version__, "config": config, "batch": batch, "rounds": 40, "reps": reps}, f, indent=1)
+    device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    json.dump({"what": __doc__.split("\n\n")[0], "device": device, "torch": torch.__version__, "config": config,
+               "batch": batch, "rounds": 40, "reps": reps}, f, indent=1)

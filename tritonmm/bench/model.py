@@ -180,7 +180,8 @@ def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
         rows.append(_row(f"eager prefill {batch} x {seq}", name, ms))
     new_tokens = 4 if small else 32
     for batch in ((1,) if small else (1, 16)):
-        decode = decoder(model, _tokens(vocab, batch, 8 if small else 64, device), _tokens(vocab, batch, new_tokens, device))
+        prompt, step = _tokens(vocab, batch, 8 if small else 64, device), _tokens(vocab, batch, new_tokens, device)
+        decode = decoder(model, prompt, step)
         with torch.no_grad():
             ms = alternate(runs(decode), device, decode_rounds, iters=1)
         rows.append(_row(f"eager decode {batch} seq x {new_tokens} tokens", name, ms))
