@@ -77,6 +77,7 @@ def test_every_output_element_is_written(kernel):
 def test_gradients_match_float64(act, bias, M, monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at these sizes too
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
+    monkeypatch.setattr(gated, "KERNEL_MAX_FLOPS_NO_GRAD", 0)  # (no gated kernel above GATED_MAX_M rows)
     x, wg, wu, bg, bu = operands(M, 40, 56, bias=bias)
     x = x.view(M, 1, 56)
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu) + ((bg, bu) if bias else ())]
@@ -136,6 +137,7 @@ def test_more_than_gated_max_m_rows_take_cublas_projections_and_one_product_pass
     real_launcher, real_product = gl.gated_launcher, gated_cublas.product
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at these sizes too
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
+    monkeypatch.setattr(gated, "KERNEL_MAX_FLOPS_NO_GRAD", 0)  # (no gated kernel above GATED_MAX_M rows)
     monkeypatch.setattr(gl, "gated_launcher", lambda *a, **k: launchers.append(a[1]) or real_launcher(*a, **k))
     monkeypatch.setattr(gated_cublas, "product", lambda *a: products.append(a[0].shape) or real_product(*a))
     tritonmm.clear_cache()
@@ -163,6 +165,7 @@ def test_calls_below_product_min_flops_run_the_torch_expression(monkeypatch):
     halves = gated_product.halves_launcher
     monkeypatch.setattr(gated_product, "halves_launcher",
                         lambda *a: (lambda launch: lambda args: products.append(1) or launch(args))(halves(*a)))
+    monkeypatch.setattr(gated, "KERNEL_MAX_FLOPS_NO_GRAD", 0)  # (no gated kernel above GATED_MAX_M rows)
     x, wg, wu, _, _ = operands(40, 24, 32)
     mlp = tritonmm.fuse(MLP(hidden=32, inter=24), pack=False)
     packed = tritonmm.fuse(MLP(hidden=32, inter=24))
@@ -367,6 +370,7 @@ def _count_gated(monkeypatch):
 def test_fused_mlp_matches_module_values_and_grads(act, bias, rows, monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at these sizes too
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
+    monkeypatch.setattr(gated, "KERNEL_MAX_FLOPS_NO_GRAD", 0)  # (no gated kernel above GATED_MAX_M rows)
     torch.manual_seed(0)
     mlp = MLP(act=act, bias=bias)
     fused = tritonmm.fuse(copy.deepcopy(mlp))
@@ -555,6 +559,7 @@ def test_compiled_fused_mlp_fullgraph():
 def product_path(monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at CPU test sizes
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
+    monkeypatch.setattr(gated, "KERNEL_MAX_FLOPS_NO_GRAD", 0)  # (no gated kernel above GATED_MAX_M rows)
 
 
 @pytest.mark.parametrize("rows", [4, 17], ids=["gemm_kernel", "cublas_product"])
@@ -633,7 +638,8 @@ def test_zero_output_features_with_saved_projections(product_path):
 @pytest.mark.parametrize("rows,hidden,inter,grad,product", [
     (512, 4096, 14336, True, True),     # Llama-3-8B's MLP at 512 tokens: 6e10 FLOP per projection, GPU-bound on the H200
     (4096, 2048, 5632, True, True),     # TinyLlama's at 4096 tokens
-    (512, 2048, 5632, True, False),     # TinyLlama's at 512 tokens: 1.2e10 FLOP, host-bound (0.74x with the product path)
+    (512, 2048, 5632, True, False),     # TinyLlama's at 512 tokens: 1.2e10 FLOP, host-bound (0.74x with the product path);
+    #                                     without autograd the gated kernel's (test below)
     (4096, 1024, 2816, True, False),    # the model benchmark's small config at 4096 tokens: 2.4e10 FLOP (0.95x)
     (512, 4096, 14336, False, False),   # the 8B-sized model's 1 x 512 prefill: host-paced (0.971-0.977x with the path)
     (4096, 2048, 5632, False, False),   # TinyLlama's at 4096 tokens without autograd: 9.5e10 FLOP
@@ -648,7 +654,65 @@ def test_product_thresholds_separate_the_measured_gpu_bound_and_host_bound_mlps(
     w = torch.empty(inter, hidden, device="meta", requires_grad=grad)
     assert gated.torch_serves(x, w) is not product
     with torch.no_grad():  # no autograd whatever the tensors need
-        assert gated.torch_serves(x, w) is (rows * hidden * inter * 2 < gated.PRODUCT_MIN_FLOPS_NO_GRAD)
+        flops = rows * hidden * inter * 2
+        assert gated.torch_serves(x, w) is (gated.KERNEL_MAX_FLOPS_NO_GRAD < flops < gated.PRODUCT_MIN_FLOPS_NO_GRAD)
+
+
+@pytest.mark.parametrize("rows,hidden,inter,kernel", [
+    (32, 1024, 2816, True),     # the small model's MLP: 1.84x of the torch expression in GPU time on the H200
+    (2048, 1024, 2816, True),   # 1.2e10 FLOP per projection: 1.03x
+    (512, 2048, 5632, True),    # TinyLlama's: 1.02x
+    (128, 4096, 14336, True),   # Llama-3-8B's: 1.5e10 FLOP, 1.06x
+    (1024, 2048, 5632, False),  # 2.4e10 FLOP: 0.91x
+    (256, 4096, 14336, False),  # 3.0e10 FLOP: 0.86x
+])
+def test_kernel_band_holds_the_mlps_measured_faster_with_the_gated_kernel(rows, hidden, inter, kernel):
+    """KERNEL_MAX_FLOPS_NO_GRAD takes, without autograd, the MLP sizes above GATED_MAX_M rows at which the gated
+    kernel was measured faster than the torch expression (first-sight tuning's measurement, bf16;
+    benchmarks/h200_gated_band.json) and leaves out those measured slower; calls with autograd never."""
+    assert gated.kernel_rows(rows, inter, hidden, False) is kernel
+    assert not gated.kernel_rows(rows, inter, hidden, True)
+    x = torch.empty(rows, hidden, device="meta")
+    w = torch.empty(inter, hidden, device="meta", requires_grad=True)
+    with torch.no_grad():
+        assert not (kernel and gated.torch_serves(x, w))  # a fused MLP calls the gated linear there
+
+
+def test_calls_without_autograd_in_the_kernel_band_run_the_gated_kernel_and_replay_it(monkeypatch):
+    """Above GATED_MAX_M rows, up to KERNEL_MAX_FLOPS_NO_GRAD per projection, a call without autograd runs the gated
+    GEMM kernel (one launcher of its rows; replayed from the second call), values as float64's; with autograd,
+    or above the band, the same geometry builds no gated launcher; a fused MLP's no-grad forward runs it too."""
+    import tritonmm.kernels.gated_launchers as gl
+
+    launchers = []
+    real_launcher = gl.gated_launcher
+    monkeypatch.setattr(gl, "gated_launcher", lambda *a, **k: launchers.append(a[1]) or real_launcher(*a, **k))
+    tritonmm.clear_cache()
+    M, N, K = 40, 24, 32
+    assert gated.GATED_MAX_M < M and 2 * M * N * K <= gated.KERNEL_MAX_FLOPS_NO_GRAD
+    x, wg, wu, bg, bu = operands(M, N, K, bias=True)
+    with torch.no_grad():
+        outs = [tritonmm.gated_linear(x, wg, wu, bg, bu) for _ in range(3)]
+    assert launchers == [M] and len(gated._fast) == 1
+    for out in outs:
+        assert_close_to_ref(out, x, wg, wu, bg, bu)
+    xg = x.clone().requires_grad_()
+    out = tritonmm.gated_linear(xg, wg, wu, bg, bu)
+    out.sum().backward()
+    assert launchers == [M]
+    assert_close_to_ref(out.detach(), x, wg, wu, bg, bu)
+    mlp = tritonmm.fuse(MLP(hidden=K, inter=N), pack=False)
+    xm = randn(2, M // 2, K)
+    with torch.no_grad():
+        out = mlp(xm)
+    want = F.linear(ref64(xm, mlp.gate_proj.weight, mlp.up_proj.weight), mlp.down_proj.weight.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+    assert launchers == [M, M]
+    monkeypatch.setattr(gated, "KERNEL_MAX_FLOPS_NO_GRAD", 2 * M * N * K - 1)
+    tritonmm.clear_cache()
+    with torch.no_grad():
+        assert_close_to_ref(tritonmm.gated_linear(x, wg, wu, bg, bu), x, wg, wu, bg, bu)
+    assert launchers == [M, M]
 
 
 def test_replay_is_not_taken_by_neg_views_zero_tensors_or_a_bias_of_another_alignment():

@@ -35,8 +35,8 @@ def _check(h, x, wg, wu, bg=None, bu=None, act="silu"):
 
 @pytest.mark.parametrize("M", [1, 7, 16, 100, 512, 4096, 16384])
 def test_values_over_m(M, monkeypatch):
-    """The gated GEMM kernels at every M, and the public call (those kernels up to GATED_MAX_M rows, cuBLAS
-    projections and the one-pass product above)."""
+    """The gated GEMM kernels at every M, and the public call (those kernels up to GATED_MAX_M rows and in the
+    no-grad kernel band, cuBLAS projections and the one-pass product above)."""
     monkeypatch.setenv("TRITONMM_AUTOTUNE", "0")  # the heuristic's config: no autotuning per M here
     x, wg, wu, _, _ = _operands(M, 5632, 2048)
     _check(gated.forward(x, wg, wu, None, None, "silu", False, kernel=gated.choose_kernel(x, wg, wu))[0], x, wg, wu)
@@ -75,6 +75,7 @@ def test_autotuned_launch(kernel):
 def test_gradients_on_gpu(M, act, monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at 600 rows too
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
+    monkeypatch.setattr(gated, "KERNEL_MAX_FLOPS_NO_GRAD", 0)  # (no gated kernel above GATED_MAX_M rows)
     x, wg, wu, _, _ = _operands(M, 640, 512)
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu)]
     out = tritonmm.gated_linear(*leaves, activation=act)  # the gated kernel at 16 rows, cuBLAS + product at 600
@@ -90,6 +91,7 @@ def test_gradients_on_gpu(M, act, monkeypatch):
 def test_fused_llama_mlp_eager_compiled_and_graphed(monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at 512 rows too
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
+    monkeypatch.setattr(gated, "KERNEL_MAX_FLOPS_NO_GRAD", 0)  # (no gated kernel above GATED_MAX_M rows)
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -112,6 +114,41 @@ def test_fused_llama_mlp_eager_compiled_and_graphed(monkeypatch):
             static.copy_(randn(*x.shape, dtype=BF16, device="cuda"))  # replay reads the new input
             graph.replay()
             torch.testing.assert_close(out, ref(static.double()).to(BF16), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("rows", [32, 128, 512, 2048])
+def test_fused_mlp_without_autograd_in_the_kernel_band(rows, monkeypatch, tmp_path):
+    """Above GATED_MAX_M rows, up to KERNEL_MAX_FLOPS_NO_GRAD per projection, a fused MLP's no-grad calls: the first
+    eager call measures the gated kernel against the torch expression (an entry in this GPU's table), and eager
+    calls, a CUDA-graph replay and a compiled call give float64's values."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from tritonmm import gated_tuning
+
+    assert gated.kernel_rows(rows, 2816, 1024, False) and rows > gated.GATED_MAX_M
+    monkeypatch.setenv("TRITONMM_FIRST_SIGHT", "1")
+    monkeypatch.setenv("TRITONMM_TUNED_DIR", str(tmp_path))  # (an empty table: measured at the first call)
+    torch.manual_seed(0)
+    mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816)).cuda().to(BF16)
+    fused = tritonmm.fuse(copy.deepcopy(mlp))
+    ref = copy.deepcopy(mlp).double()
+    tritonmm.clear_cache()
+    x = randn(1, rows, 1024, dtype=BF16, device="cuda")
+    with torch.no_grad():
+        want = ref(x.double()).to(BF16)
+        for _ in range(2):  # the second call replays the bound geometry
+            torch.testing.assert_close(fused(x), want, rtol=3e-2, atol=3e-2)
+        assert gated_tuning.entry(x.device, BF16, rows, 2816, 1024, "silu") is not None
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused(static)
+        static.copy_(randn(*x.shape, dtype=BF16, device="cuda"))
+        graph.replay()
+        torch.testing.assert_close(out, ref(static.double()).to(BF16), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(torch.compile(fused, fullgraph=True)(x), want, rtol=3e-2, atol=3e-2)
+    tritonmm.clear_cache()  # (the table read from tmp_path)
 
 
 @pytest.mark.parametrize("M", [1, 16, 512, 4096, 16384])

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.interpreter
 def product_path(monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path (where packing counts) at CPU test sizes
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
+    monkeypatch.setattr(gated, "KERNEL_MAX_FLOPS_NO_GRAD", 0)  # (no gated kernel above GATED_MAX_M rows)
 
 
 def is_packed(mlp) -> bool:

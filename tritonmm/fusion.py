@@ -7,7 +7,8 @@
   tritonmm's swapped one), and ``act_fn`` is a known activation (SiLU, GELU, tanh-GELU, ReLU; torch's
   or transformers' modules). At call time the fused forward runs :func:`tritonmm.gated_linear` on the
   gate and up weights where they are, then ``down_proj`` as a module: one Triton GEMM for up to
-  :data:`tritonmm.gated.GATED_MAX_M` rows (decode); above, cuBLAS projections (one GEMM where the
+  :data:`tritonmm.gated.GATED_MAX_M` rows (decode), and without autograd up to
+  :data:`tritonmm.gated.KERNEL_MAX_FLOPS_NO_GRAD` per projection; above, cuBLAS projections (one GEMM where the
   weights are packed) and one Triton pass for the activation and the product (under ``torch.compile``,
   the expression Inductor fuses itself); calls above 16 rows and below
   :data:`tritonmm.gated.PRODUCT_MIN_FLOPS` (:data:`~tritonmm.gated.PRODUCT_MIN_FLOPS_NO_GRAD` without autograd)

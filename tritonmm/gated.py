@@ -1,8 +1,9 @@
 """The gated linear: ``act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)`` in fewer kernels.
 
 This is the first half of a Llama-family MLP (gate and up projections, SiLU, product). Up to :data:`GATED_MAX_M`
-rows the Triton GEMM kernels (:mod:`tritonmm.kernels.gated`) read x once for both projections and write only the
-product, instead of two projections, the activation and the product as four tensors. Above, from
+rows, and without autograd up to :data:`KERNEL_MAX_FLOPS_NO_GRAD` per projection, the Triton GEMM kernels
+(:mod:`tritonmm.kernels.gated`) read x once for both projections and write only the product, instead of two
+projections, the activation and the product as four tensors. Above, from
 :data:`PRODUCT_MIN_FLOPS` (:data:`PRODUCT_MIN_FLOPS_NO_GRAD` without autograd), cuBLAS runs the two projections and
 one Triton pass (:mod:`tritonmm.gated_cublas`) the activation and the product, where eager runs two; smaller calls
 run the torch expression. With packed weights (``w_up`` directly after ``w_gate`` in one storage, as
@@ -31,16 +32,16 @@ from torch import Tensor
 
 from . import activations, device as _device, gated_cublas, gated_grads, gated_tuning, modes, routes, runners
 from ._env import raw_name
-from .packing import PackedCast
+from .gated_args import GATED_ACTIVATIONS, autocast as _autocast, check, kernel_shaped
 
-GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+__all__ = ["GATED_ACTIVATIONS", "gated_linear", "reference"]
 _KERNEL_DTYPES = gated_cublas.KERNEL_DTYPES
 GATED_MAX_M = 16
 """Rows (M) up to which the gated GEMM kernel serves a call: decode-sized GEMMs, memory- and launch-bound,
-where one kernel instead of four saves launches and a pass over the projections. Above it cuBLAS runs
-the projections and one Triton pass the activation and product: on the H200 the gated GEMM kernels ran
-at 0.75-0.93x of eager from M = 512 up wherever the GPU set the pace (``benchmarks/h200_mlp.json``,
-``kernel_ratio``)."""
+where one kernel instead of four saves launches and a pass over the projections. Above it, for calls with
+autograd or from :data:`KERNEL_MAX_FLOPS_NO_GRAD`, cuBLAS runs the projections and one Triton pass the activation
+and product: on the H200 the gated GEMM kernels ran at 0.75-0.93x of eager from M = 512 up wherever the GPU set
+the pace (``benchmarks/h200_mlp.json``, ``kernel_ratio``)."""
 PRODUCT_MIN_FLOPS = 2**35
 """FLOP per projection (2·M·N·K, 3.4e10) from which calls with autograd of more than :data:`GATED_MAX_M` rows
 take the cuBLAS + product path; smaller ones run the torch expression (eager's kernels): the host sets the pace
@@ -55,6 +56,12 @@ off, its MLP calls taking 33 us more host time each, and at 1.017x with the MLP'
 (``benchmarks/h200_model.json``, ``h200_mlp_host_in_model.json``); its 4 x 1024 prefill (4.8e11) at 1.013-1.021x
 with the path. Below it the MLP block alone, GPU-paced there, gives up the path's 1.16x (Llama-3-8B's at 512
 rows) and 1.08x (TinyLlama's at 4096, 9.5e10 FLOP) forward (``benchmarks/h200_mlp.json``)."""
+KERNEL_MAX_FLOPS_NO_GRAD = 2**34
+"""FLOP per projection (2·M·N·K, 1.7e10) up to which calls without autograd of more than :data:`GATED_MAX_M` rows
+run the gated GEMM kernel too, where this GPU's table or a first-sight measurement (:mod:`tritonmm.gated_tuning`)
+picks it over the torch expression. On the H200 the kernel ran at 1.06-1.84x of the torch expression in GPU time
+from 32 rows up to 1.5e10 FLOP (the small model's, TinyLlama's and Llama-3-8B's MLP widths; bf16), and at 0.86-0.91x
+from 2.4e10 (``benchmarks/h200_gated_band.json``)."""
 TMA_MIN_M = 64
 """Rows above which the persistent TMA kernel serves (on sm_90+, aligned operands; reached by
 :func:`forward` callers that pass larger M); the pointer kernel's small-M tiles serve the rest."""
@@ -68,35 +75,6 @@ def reference(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] 
               b_up: Optional[Tensor] = None, activation: str = "silu") -> Tensor:
     """The torch expression the gated linear computes (also its fallback)."""
     return activations.apply(F.linear(x, w_gate, b_gate), activation) * F.linear(x, w_up, b_up)
-
-
-def check(x, w_gate, w_up, b_gate, b_up, activation) -> None:
-    """Argument types and the activation (TypeError / ValueError); shapes, dtypes and devices are
-    checked by :func:`kernel_shaped`, and where it says no, by F.linear itself."""
-    for name, t in (("input", x), ("w_gate", w_gate), ("w_up", w_up)):
-        routes._require_tensor(name, t, "gated_linear")
-    for name, t in (("b_gate", b_gate), ("b_up", b_up)):
-        if t is not None:
-            routes._require_tensor(name, t, "gated_linear")
-    if not isinstance(activation, str) or activation not in GATED_ACTIVATIONS:
-        raise ValueError(f"tritonmm.gated_linear: unknown activation {activation!r}; expected one of {GATED_ACTIVATIONS}")
-
-
-def kernel_shaped(x, w_gate, w_up, b_gate, b_up) -> bool:
-    """Whether the call has the form the kernel takes: 2-D weights of one shape, K matching, both biases
-    (N,) or neither, one dtype and one device, plain strided tensors. Other calls (valid ones such as
-    1-D weights or broadcast biases, and invalid ones, which raise there) go to the torch expression."""
-    if w_gate.dim() != 2 or w_gate.shape != w_up.shape or x.dim() == 0 or x.shape[-1] != w_gate.shape[1]:
-        return False
-    if (b_gate is None) != (b_up is None):
-        return False
-    tensors = (x, w_gate, w_up) if b_gate is None else (x, w_gate, w_up, b_gate, b_up)
-    if b_gate is not None and (b_gate.dim() != 1 or b_gate.shape[0] != w_gate.shape[0] or b_up.shape != b_gate.shape):
-        return False
-    dtype, device = x.dtype, x.device
-    if not all(t.dtype == dtype and t.device == device and t.layout is torch.strided for t in tensors):
-        return False
-    return _is_compiling() or not any(t.is_neg() or t._is_zerotensor() for t in tensors)  # (untraceable checks)
 
 
 def kernel_serves(x: Tensor) -> bool:
@@ -123,8 +101,8 @@ def _unit_last(t: Tensor) -> Tensor:
 def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: str, save: bool,
             kernel: Optional[str] = None, config: Optional[dict] = None, pack: bool = True):
     """Run a :func:`kernel_shaped` call: (h, g, u), h of shape (*x.shape[:-1], N); g and u (M, N) when
-    ``save``, else None. The gated GEMM ``kernel`` ("pointer" or "tma"; default: the one that serves
-    this problem) for up to :data:`GATED_MAX_M` rows or where ``kernel`` is given; else cuBLAS
+    ``save``, else None. The gated GEMM ``kernel`` ("pointer" or "tma"; default: the pointer kernel) where
+    :func:`kernel_rows` holds or ``kernel`` is given; else cuBLAS
     projections (one GEMM where the weights are packed and ``pack``; g and u are then the halves of its
     output) and the one-pass product."""
     from .kernels.launch import LAUNCH_FAILURES
@@ -132,12 +110,14 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
     N, K = w_gate.shape
     lead = x.shape[:-1]
     M = lead.numel()
-    if kernel is None and M > GATED_MAX_M:
+    if kernel is None and not kernel_rows(M, N, K, save):
         return gated_cublas.forward(x, w_gate, w_up, b_gate, b_up, activation, save, pack)
     x2 = _unit_last(x.reshape(-1, K))
     w_gate, w_up = _unit_last(w_gate), _unit_last(w_up)
     auto = kernel is None and config is None
-    if kernel is None or kernel == "tma" and not _tma_ok(x2, w_gate, w_up):
+    if kernel is None:
+        kernel = "pointer"  # (the kernel gated_tuning measures)
+    elif kernel == "tma" and not _tma_ok(x2, w_gate, w_up):
         kernel = choose_kernel(x2, w_gate, w_up)
     key = _launcher_key(kernel, x2, w_gate, w_up, b_gate, b_up, save, activation, config)
     launch = _launchers.get(key)
@@ -264,23 +244,13 @@ def _op_backward(ctx, grad_h, _grad_g, _grad_u):
 _gated_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
-def _autocast(x: Tensor, w_gate, w_up, b_gate, b_up):
-    dtype = routes._autocast_dtype(x)
-    if dtype is None:
-        return x, w_gate, w_up, b_gate, b_up
-    cast = routes._cast
-    if b_gate is None and b_up is None and w_gate.is_floating_point() and w_gate.dtype not in (dtype, torch.float64) \
-            and gated_cublas.packed(w_gate, w_up) is not None:  # one cast, whose halves stay packed
-        return (cast(x, dtype), *PackedCast.apply(w_gate, w_up, dtype), None, None)
-    return cast(x, dtype), cast(w_gate, dtype), cast(w_up, dtype), cast(b_gate, dtype), cast(b_up, dtype)
-
-
 def gated_linear(input: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
                  b_up: Optional[Tensor] = None, activation: str = "silu") -> Tensor:
     """``act(F.linear(input, w_gate, b_gate)) * F.linear(input, w_up, b_up)`` in fewer kernels: one Triton GEMM
-    for both projections up to 16 rows; above, cuBLAS projections and one Triton pass for the activation and
-    product from :data:`PRODUCT_MIN_FLOPS` per projection (:data:`PRODUCT_MIN_FLOPS_NO_GRAD` without autograd),
-    the torch expression below.
+    for both projections up to 16 rows, and without autograd up to :data:`KERNEL_MAX_FLOPS_NO_GRAD` per projection
+    (where it was measured faster than the torch expression); above, cuBLAS projections and one Triton pass for the
+    activation and product from :data:`PRODUCT_MIN_FLOPS` per projection (:data:`PRODUCT_MIN_FLOPS_NO_GRAD`
+    without autograd), the torch expression below.
 
     Args:
         input (Tensor): x, (*, K); float16, bfloat16 or float32 for the Triton kernels.
@@ -360,10 +330,11 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
     """Bind the geometry's launcher (built by the call just served) into a replay of that call."""
     N, K = wg.shape
     lead, M = x.shape[:-1], x.numel() // K if K else 0
-    if M > GATED_MAX_M and bg is None and bu is None and wg.is_contiguous() and wu.is_contiguous():
+    product = not kernel_rows(M, N, K, False)  # (replays serve calls without autograd)
+    if product and bg is None and bu is None and wg.is_contiguous() and wu.is_contiguous():
         # (the key fixes the weights' strides) one GEMM where packed, one bound product launch
         run = gated_cublas.replay(x, wg, activation)
-    elif M > GATED_MAX_M:
+    elif product:
         def run(x, wg, wu, bg, bu):  # cuBLAS projections, one-pass product
             return _cublas_forward(x, wg, wu, bg, bu, activation, False)[0]
     else:
@@ -373,8 +344,7 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
         if contiguous:
             x2 = x2.contiguous()
         dtype, device, out_shape = x.dtype, x.device, (*lead, N)
-        kernel = choose_kernel(x2, wg, wu)
-        launch = _launchers.get(_launcher_key(kernel, x2, wg, wu, bg, bu, False, activation, None))
+        launch = _launchers.get(_launcher_key("pointer", x2, wg, wu, bg, bu, False, activation, None))
         if launch is None or isinstance(launch, functools.partial) or M == 0:  # not built, failed, or empty
             return
         if launch is _TORCH:  # measured faster than the kernel (gated_tuning)
@@ -405,13 +375,22 @@ def clear_cache() -> None:
     gated_cublas.clear_cache()
 
 
+def kernel_rows(M: int, N: int, K: int, grad: bool) -> bool:
+    """Whether an M x N x K gated linear (per projection) is one the gated GEMM kernel may serve: up to
+    :data:`GATED_MAX_M` rows, or up to :data:`KERNEL_MAX_FLOPS_NO_GRAD` for a call without autograd (``grad``
+    False)."""
+    return M <= GATED_MAX_M or not grad and 2 * M * N * K <= KERNEL_MAX_FLOPS_NO_GRAD
+
+
 def _below_product_flops(x, w_gate, grad: bool) -> bool:
     """More than :data:`GATED_MAX_M` rows, under :data:`PRODUCT_MIN_FLOPS` per projection for a call with autograd
-    (``grad``), under :data:`PRODUCT_MIN_FLOPS_NO_GRAD` for one without (static sizes)."""
+    (``grad``), under :data:`PRODUCT_MIN_FLOPS_NO_GRAD` for one without, and not :func:`kernel_rows` (static
+    sizes): the torch expression's calls."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    return GATED_MAX_M < rows and 2 * rows * w_gate.shape[0] * K < (
-        PRODUCT_MIN_FLOPS if grad else PRODUCT_MIN_FLOPS_NO_GRAD)
+    N = w_gate.shape[0]
+    return 2 * rows * N * K < (PRODUCT_MIN_FLOPS if grad else PRODUCT_MIN_FLOPS_NO_GRAD) \
+        and not kernel_rows(rows, N, K, grad)
 
 
 def torch_serves(x, w_gate) -> bool:

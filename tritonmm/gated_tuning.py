@@ -1,5 +1,5 @@
-"""Which kernel serves a gated linear of up to :data:`tritonmm.gated.GATED_MAX_M` rows on a GPU: this GPU's
-tuned table, else a measurement at first sight.
+"""Which kernel serves a gated linear the gated GEMM kernel may serve (:func:`tritonmm.gated.kernel_rows`) on a
+GPU: this GPU's tuned table, else a measurement at first sight.
 
 An entry's key is ``dtype:M:N:K:gated_<activation>`` (M as :func:`tuned.m_key` buckets it) in the per-GPU
 tables of :mod:`tritonmm.tuned`. Backend "triton" names the gated GEMM kernel and its config; backend "torch"

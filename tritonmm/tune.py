@@ -308,7 +308,7 @@ def tune_model(model, *example_args, **example_kwargs) -> dict:
     Records the geometries of one pass (:func:`tritonmm.capture.geometries`; the backward through
     ``torch.autograd.grad``, so no ``.grad`` is written), measures those that no table of this GPU
     and Triton release holds (every candidate config of each kernel against cuBLAS, as ``python -m
-    tritonmm.tune``; seconds per geometry; fused MLPs' gated linears of up to 16 rows as first-sight
+    tritonmm.tune``; seconds per geometry; fused MLPs' gated linears the gated kernel may serve as first-sight
     tuning measures them, :mod:`tritonmm.gated_tuning`) and merges the winners into this machine's table
     (:func:`tritonmm.tuned.user_dir`), which later processes read. Then clears tritonmm's caches so the
     table takes effect. A second call with the same geometries measures nothing.
@@ -333,9 +333,10 @@ def tune_model(model, *example_args, **example_kwargs) -> dict:
     if work:
         result.update(_measure_and_write(work, args, _table_path(tuned.user_dir()), merge=True))
     result["gated"] = 0
-    for g in suite["gated"]:  # fused MLPs' gated linears at decode sizes: measured as at first sight
-        if g["M"] <= gated.GATED_MAX_M and gated_tuning.tune(device, DTYPES[g["dtype"]], g["M"], g["N"], g["K"],
-                                                             g["activation"], g["bias"]) is not None:
+    for g in suite["gated"]:  # fused MLPs' gated linears the gated kernel may serve: measured as at first sight
+        M, N, K = g["M"], g["N"], g["K"]
+        if gated.kernel_rows(M, N, K, False) and gated_tuning.tune(device, DTYPES[g["dtype"]], M, N, K,
+                                                                   g["activation"], g["bias"]) is not None:
             result["gated"] += 1
     if result["gated"]:
         result["measured"] += result["gated"]

@@ -1,0 +1,54 @@
+"""The gated linear's arguments: their checks, the form the gated kernels take, and their casts under autocast."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import gated_cublas, routes
+from .packing import PackedCast
+
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+_is_compiling = torch.compiler.is_compiling
+
+
+def check(x, w_gate, w_up, b_gate, b_up, activation) -> None:
+    """Argument types and the activation (TypeError / ValueError); shapes, dtypes and devices are
+    checked by :func:`kernel_shaped`, and where it says no, by F.linear itself."""
+    for name, t in (("input", x), ("w_gate", w_gate), ("w_up", w_up)):
+        routes._require_tensor(name, t, "gated_linear")
+    for name, t in (("b_gate", b_gate), ("b_up", b_up)):
+        if t is not None:
+            routes._require_tensor(name, t, "gated_linear")
+    if not isinstance(activation, str) or activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"tritonmm.gated_linear: unknown activation {activation!r}; expected one of {GATED_ACTIVATIONS}")
+
+
+def kernel_shaped(x, w_gate, w_up, b_gate, b_up) -> bool:
+    """Whether the call has the form the kernel takes: 2-D weights of one shape, K matching, both biases
+    (N,) or neither, one dtype and one device, plain strided tensors. Other calls (valid ones such as
+    1-D weights or broadcast biases, and invalid ones, which raise there) go to the torch expression."""
+    if w_gate.dim() != 2 or w_gate.shape != w_up.shape or x.dim() == 0 or x.shape[-1] != w_gate.shape[1]:
+        return False
+    if (b_gate is None) != (b_up is None):
+        return False
+    tensors = (x, w_gate, w_up) if b_gate is None else (x, w_gate, w_up, b_gate, b_up)
+    if b_gate is not None and (b_gate.dim() != 1 or b_gate.shape[0] != w_gate.shape[0] or b_up.shape != b_gate.shape):
+        return False
+    dtype, device = x.dtype, x.device
+    if not all(t.dtype == dtype and t.device == device and t.layout is torch.strided for t in tensors):
+        return False
+    return _is_compiling() or not any(t.is_neg() or t._is_zerotensor() for t in tensors)  # (untraceable checks)
+
+
+def autocast(x: Tensor, w_gate, w_up, b_gate, b_up):
+    """The operands as F.linear casts them under ``torch.autocast`` (weight casts reused within the region; packed
+    weights cast as one tensor, whose halves stay packed)."""
+    dtype = routes._autocast_dtype(x)
+    if dtype is None:
+        return x, w_gate, w_up, b_gate, b_up
+    cast = routes._cast
+    if b_gate is None and b_up is None and w_gate.is_floating_point() and w_gate.dtype not in (dtype, torch.float64) \
+            and gated_cublas.packed(w_gate, w_up) is not None:  # one cast, whose halves stay packed
+        return (cast(x, dtype), *PackedCast.apply(w_gate, w_up, dtype), None, None)
+    return cast(x, dtype), cast(w_gate, dtype), cast(w_up, dtype), cast(b_gate, dtype), cast(b_up, dtype)
