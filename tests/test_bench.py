@@ -159,7 +159,7 @@ def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
     for r in data["phases"]:
         assert r["off_ms"] > 0 and r["swap_ratio"] > 0 and r["patch_ratio"] > 0 and r["control_ratio"] > 0
     rows = {r["row"] for r in data["per_call"]}
-    assert {"nn.Linear, no_grad", "F.linear, grad", "matmul, grad"} <= rows
+    assert {"nn.Linear, no_grad", "F.linear, grad", "matmul, grad", "A/A, no_grad", "A/A, grad"} <= rows
     assert all(r["torch_us"] > 0 and r["tritonmm_us"] > 0 for r in data["per_call"])
     capsys.readouterr()
     assert bench.main(["--from-json", str(out), "--markdown"]) == 0

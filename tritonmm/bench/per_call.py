@@ -38,7 +38,8 @@ def per_call_us(pairs: dict, device, rounds: int, calls: int) -> dict:
 
 def per_call_rows(device, rounds: int | None = None, calls: int = 400) -> list[dict]:
     """Host cost per call of each entry point against the torch call it replaces (x 1 x 2048, weight
-    5632 x 2048, bf16 on a GPU; fp32 on the CPU), with and without autograd, and of a Sequential of that Linear,
+    5632 x 2048, bf16 on a GPU; fp32 on the CPU), with and without autograd, F.linear against itself (an A/A row:
+    the spread of the method on this host), and of a Sequential of that Linear,
     GELU and a Linear back against the same modules fused (``tritonmm.fuse``); autocast forward + backward
     with fp32 weights (512 x 2048 x 5632); a GEMM forced to the Triton pointer kernel against a bare
     launch of the same compiled kernel. ``rounds``: default 101 on a GPU (the host's jitter is a larger share
@@ -70,6 +71,8 @@ def per_call_rows(device, rounds: int | None = None, calls: int = 400) -> list[d
             add(f"nn.Linear, {tag}", "nn.Linear", "swapped", {"nn.Linear": lambda: lin(x), "swapped": lambda: swapped(x)})
             add(f"F.linear, {tag}", "F.linear", "tritonmm.linear",
                 {"F.linear": lambda: F.linear(x, w, b), "tritonmm.linear": lambda: tritonmm.linear(x, w, b)})
+            add(f"A/A, {tag}", "F.linear", "F.linear again",  # the same call twice: the method's spread
+                {"F.linear": lambda: F.linear(x, w, b), "F.linear again": lambda: F.linear(x, w, b)})
             wt = w.detach().t()
             add(f"matmul, {tag}", "torch.matmul", "tritonmm.matmul",
                 {"torch.matmul": lambda: torch.matmul(x, wt), "tritonmm.matmul": lambda: tritonmm.matmul(x, wt)})
