@@ -715,6 +715,28 @@ def test_calls_without_autograd_in_the_kernel_band_run_the_gated_kernel_and_repl
     assert launchers == [M, M]
 
 
+def test_float32_calls_key_on_the_matmul_precision_setting(monkeypatch):
+    """A float32 gated launcher fixes TF32 or not when it is built (torch.get_float32_matmul_precision(), as
+    torch.matmul reads it at each call): after the setting changes a call builds and replays its own launcher."""
+    import tritonmm.kernels.gated_launchers as gl
+
+    launchers = []
+    real_launcher = gl.gated_launcher
+    monkeypatch.setattr(gl, "gated_launcher", lambda *a, **k: launchers.append(a[1]) or real_launcher(*a, **k))
+    tritonmm.clear_cache()
+    x, wg, wu, _, _ = operands(8, 24, 32)
+    old = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            with torch.no_grad():
+                for _ in range(2):  # the second call replays
+                    assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert launchers == [8, 8] and len(gated._fast) == 2  # (the third setting is the first's again)
+
+
 def test_replay_is_not_taken_by_neg_views_zero_tensors_or_a_bias_of_another_alignment():
     """The bound replay keys on geometry: an operand of the same geometry with a pending negation
     (``x.conj().imag``), a storage-less zero tensor or a bias at another 16-byte alignment (Triton

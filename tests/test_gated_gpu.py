@@ -151,6 +151,27 @@ def test_fused_mlp_without_autograd_in_the_kernel_band(rows, monkeypatch, tmp_pa
     tritonmm.clear_cache()  # (the table read from tmp_path)
 
 
+@pytest.mark.parametrize("rows", [16, 64])
+def test_float32_calls_follow_a_changed_matmul_precision(rows):
+    """TF32 where torch.matmul would use it, as the setting stands at each call: a geometry first run under
+    "high" and then under "highest" is exact to float32 there (and the other way round)."""
+    x = randn(rows, 1024, device="cuda")
+    wg, wu = (randn(1024, 1024, device="cuda") / 32 for _ in range(2))
+    ref = gated.reference(x.double(), wg.double(), wu.double())
+    old = torch.get_float32_matmul_precision()
+    errors = {}
+    try:
+        for precision in ("high", "highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            with torch.no_grad():
+                for _ in range(2):  # the second call replays
+                    out = tritonmm.gated_linear(x, wg, wu)
+            errors.setdefault(precision, []).append(((out.double() - ref).abs().max() / ref.abs().max()).item())
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert max(errors["highest"]) < 1e-5 < min(errors["high"]), errors
+
+
 @pytest.mark.parametrize("M", [1, 16, 512, 4096, 16384])
 def test_packed_fused_mlp_over_m_with_gradients_and_autocast(M):
     """fuse packs gate and up: bf16 weights, forward and backward against float64; fp32 weights under bf16

@@ -176,14 +176,16 @@ def _new_launcher(kernel, x2, w_gate, w_up, b_gate, b_up, save, activation, conf
 
 
 def _launcher_key(kernel, x2, w_gate, w_up, b_gate, b_up, save, activation, config) -> tuple:
-    """What a gated launcher is built for: kernel, sizes, strides, dtype, device, epilogue, config and
-    the operands' 16-byte alignment (Triton specializes every pointer on it)."""
+    """What a gated launcher is built for: kernel, sizes, strides, dtype, device, epilogue, config, the
+    operands' 16-byte alignment (Triton specializes every pointer on it) and, for float32, the matmul precision
+    setting (TF32 or not, fixed when it is built)."""
     (M, K), N = x2.shape, w_gate.shape[0]
     bias_strides = None if b_gate is None else (b_gate.stride(0), b_up.stride(0))
     bias_aligned = b_gate is None or b_gate.data_ptr() % 16 == 0 and b_up.data_ptr() % 16 == 0
     return (kernel, M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0), x2.dtype, x2.device, bias_strides, save,
             activation, None if config is None else tuple(sorted(config.items())),
-            x2.data_ptr() % 16 == 0 and w_gate.data_ptr() % 16 == 0 and w_up.data_ptr() % 16 == 0, bias_aligned)
+            x2.data_ptr() % 16 == 0 and w_gate.data_ptr() % 16 == 0 and w_up.data_ptr() % 16 == 0, bias_aligned,
+            x2.dtype is torch.float32 and _precision())
 
 
 def _failed(x2, w_gate, w_up, b_gate, b_up, h, g, u, activation):
@@ -291,12 +293,14 @@ _F_linear = F.linear
 _any_autocast = torch._C._is_any_autocast_enabled
 _INTERPRET = raw_name("TRITON_INTERPRET")
 _cublas_forward = gated_cublas.forward
+_precision = torch.get_float32_matmul_precision
+_F32 = torch.float32
 
 
 def _fast_key(x, wg, wu, bg, bu, activation):
     """The geometry key of a call that may take the fast path (None: it may not): plain eager mode, no
     gradient, no autocast, no pending negation (``x.conj().imag``) or storage-less zero tensor; types,
-    shapes, strides, dtypes, devices and 16-byte alignments."""
+    shapes, strides, dtypes, devices, 16-byte alignments and, for float32, the matmul precision setting."""
     if _grad_enabled() and (x.requires_grad or wg.requires_grad or wu.requires_grad
                             or bg is not None and (bg.requires_grad or bu.requires_grad)):
         return None
@@ -308,9 +312,11 @@ def _fast_key(x, wg, wu, bg, bu, activation):
         return None
     if bg is not None and (not (bg.data_ptr() and bu.data_ptr()) or bg.is_neg() or bu.is_neg()):
         return None
-    return (type(x), type(wg), type(wu), x.shape, x.stride(), x.dtype, x.device, wg.shape, wg.stride(), wg.dtype,
+    dtype = x.dtype
+    return (type(x), type(wg), type(wu), x.shape, x.stride(), dtype, x.device, wg.shape, wg.stride(), wg.dtype,
             wg.device, wu.shape, wu.stride(), wu.dtype, wu.device, px & 15, pg & 15, pu & 15, activation,
-            _bias_key(bg), _bias_key(bu), routes.raw_get(routes._AUTOTUNE), routes.raw_get(_INTERPRET))
+            _bias_key(bg), _bias_key(bu), routes.raw_get(routes._AUTOTUNE), routes.raw_get(_INTERPRET),
+            dtype is _F32 and _precision())  # (float32: TF32 or not, as its launcher was built)
 
 
 def _bias_key(b):
