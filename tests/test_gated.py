@@ -638,8 +638,8 @@ def test_zero_output_features_with_saved_projections(product_path):
 @pytest.mark.parametrize("rows,hidden,inter,grad,product", [
     (512, 4096, 14336, True, True),     # Llama-3-8B's MLP at 512 tokens: 6e10 FLOP per projection, GPU-bound on the H200
     (4096, 2048, 5632, True, True),     # TinyLlama's at 4096 tokens
-    (512, 2048, 5632, True, False),     # TinyLlama's at 512 tokens: 1.2e10 FLOP, host-bound (0.74x with the product path);
-    #                                     without autograd the gated kernel's (test below)
+    (512, 2048, 5632, True, False),     # TinyLlama's at 512 tokens: 1.2e10 FLOP, host-bound (0.74x with the
+    #                                     product path); without autograd the gated kernel's (test below)
     (4096, 1024, 2816, True, False),    # the model benchmark's small config at 4096 tokens: 2.4e10 FLOP (0.95x)
     (512, 4096, 14336, False, False),   # the 8B-sized model's 1 x 512 prefill: host-paced (0.971-0.977x with the path)
     (4096, 2048, 5632, False, False),   # TinyLlama's at 4096 tokens without autograd: 9.5e10 FLOP

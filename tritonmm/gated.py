@@ -69,6 +69,8 @@ _LAUNCHERS_MAX = 1024
 _launchers: dict = {}
 _is_compiling = torch.compiler.is_compiling
 _empty = torch.empty  # the kernels' output allocator (tests swap in a NaN-filling one)
+_precision = torch.get_float32_matmul_precision  # (float32 launchers: TF32 or not, fixed when built)
+_F32 = torch.float32
 
 
 def reference(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
@@ -185,7 +187,7 @@ def _launcher_key(kernel, x2, w_gate, w_up, b_gate, b_up, save, activation, conf
     return (kernel, M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0), x2.dtype, x2.device, bias_strides, save,
             activation, None if config is None else tuple(sorted(config.items())),
             x2.data_ptr() % 16 == 0 and w_gate.data_ptr() % 16 == 0 and w_up.data_ptr() % 16 == 0, bias_aligned,
-            x2.dtype is torch.float32 and _precision())
+            x2.dtype is _F32 and _precision())
 
 
 def _failed(x2, w_gate, w_up, b_gate, b_up, h, g, u, activation):
@@ -293,8 +295,6 @@ _F_linear = F.linear
 _any_autocast = torch._C._is_any_autocast_enabled
 _INTERPRET = raw_name("TRITON_INTERPRET")
 _cublas_forward = gated_cublas.forward
-_precision = torch.get_float32_matmul_precision
-_F32 = torch.float32
 
 
 def _fast_key(x, wg, wu, bg, bu, activation):

@@ -5,8 +5,8 @@ between ``torch.cuda.synchronize()`` calls, as in :mod:`tritonmm.bench.model`):
 
 * ``eager``: the module as transformers runs it (gate, up, SiLU, product, down: five kernels);
 * ``fused``: the same module after :func:`tritonmm.fuse` (the gated GEMM kernel, then down, up to
-  ``gated.GATED_MAX_M`` rows or ``gated.KERNEL_MAX_FLOPS_NO_GRAD``; above, one cuBLAS GEMM on the packed gate and up weights, one Triton pass for
-  SiLU and the product, then down);
+  ``gated.GATED_MAX_M`` rows or ``gated.KERNEL_MAX_FLOPS_NO_GRAD``; above, one cuBLAS GEMM on the packed gate
+  and up weights, one Triton pass for SiLU and the product, then down);
 * ``unpacked``: ``fuse(..., pack=False)``: above 16 rows, two cuBLAS projections where
   ``gated.PRODUCT_MIN_FLOPS_NO_GRAD`` allows, else the module's own forward;
 * ``kernel``: the gated GEMM kernel at any M, then the down GEMM (what ``fused`` would be without that limit);
