@@ -85,7 +85,8 @@ def alternate():
 
 
 def keyed_calls():
-    """Calls per decode reaching routes.linear_keyed / matmul_keyed, swapped in (by layer shape and rows)."""
+    """Calls per decode reaching routes.linear_keyed, swapped in (by layer shape and rows), and each layer's route
+    and class after the decode (layer 1's, as layer 0's, left out)."""
     seen = {}
     real = routes.linear_keyed
 
