@@ -51,6 +51,13 @@ for mode in ("no_grad", "grad"):
     with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
         for s in ["F.linear(x, w, b)", "tritonmm.linear(x, w, b)", "torch.matmul(x, wt)", "tritonmm.matmul(x, wt)"]:
             print(f"{t(s):9.1f} ns  {s}  [{mode}]")
+g.update(wp=lin.weight, bp=lin.bias)  # the Parameters, as the model benchmark's per-call rows pass them
+with torch.enable_grad():
+    tritonmm.linear(x, lin.weight, lin.bias)
+    print("plan of lin.weight:", routes.plans.get(id(lin.weight)), "free:", api._free_get(id(lin.weight)))
+    for s in ["F.linear(x, wp, bp)", "tritonmm.linear(x, wp, bp)", "wp.data_ptr()", "api._free_get(id(wp))",
+              "lin(x)", "sw(x)"]:
+        print(f"{t(s):9.1f} ns  {s}  [grad, Parameters]")
 with torch.no_grad():
     tritonmm.linear(x, w, b); sw(x)
     for s in ["lin(x)", "sw(x)", "torch.matmul(a, bb)"]:

@@ -1,6 +1,8 @@
 """The benchmark's bookkeeping (no timing here): summaries, the JSON replay, the plot, the CPU check."""
 
 import json
+import pathlib
+import re
 import statistics
 
 import pytest
@@ -161,6 +163,8 @@ def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
     rows = {r["row"] for r in data["per_call"]}
     assert {"nn.Linear, no_grad", "F.linear, grad", "matmul, grad", "A/A, no_grad", "A/A, grad"} <= rows
     assert all(r["torch_us"] > 0 and r["tritonmm_us"] > 0 for r in data["per_call"])
+    plans = {r["row"]: r.get("weight_plan") for r in data["per_call"]}  # CPU weights: torch serves every GEMM
+    assert plans["F.linear, grad"] == plans["matmul, no_grad"] == "free for every GEMM"
     capsys.readouterr()
     assert bench.main(["--from-json", str(out), "--markdown"]) == 0
     assert "| tiny | eager prefill 1 x 16 |" in capsys.readouterr().out
@@ -344,3 +348,21 @@ def test_mlp_benchmark_without_a_gpu_and_its_json(tmp_path, capsys):
     assert "| tinyllama (2048 / 5632) | 16 | 0.100 | 2.00x | 1.80x | 1.90x | 2.10x | 0.50x | - |" in capsys.readouterr().out
     assert bench.main(["--from-json", str(run)]) == 0
     assert "tinyllama" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["h200_model.json", "h200_mlp.json"])
+def test_readme_tables_are_generated_from_the_committed_runs(name, capsys):
+    """The README's model and MLP tables are ``--from-json ... --markdown`` of the committed JSON, verbatim."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    assert bench.main(["--from-json", str(root / "benchmarks" / name), "--markdown"]) == 0
+    table = capsys.readouterr().out.strip()
+    assert table.count("\n") > 10 and table in (root / "README.md").read_text()
+
+
+def test_readme_names_only_files_that_exist():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    text = (root / "README.md").read_text()
+    named = set(re.findall(r"(benchmarks/[\w.]+\.(?:json|png|md)|configs/[\w/]*)", text))
+    assert "benchmarks/h200_model.json" in named
+    missing = sorted(n for n in named if not (root / n).exists())
+    assert not missing, missing

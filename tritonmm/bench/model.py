@@ -307,7 +307,7 @@ def print_report(result: dict) -> None:
           "rounds in opposite orders of the difference), ratio torch / (torch + cost)")
     for r in result["per_call"]:
         print(f"{r['row']:52} {r['torch']:>14} {r['torch_us']:>8.2f}  {r['tritonmm']:>16} {r['tritonmm_us']:>8.2f}  "
-              f"{r['over_us']:>+6.2f}  {r['ratio']:.3f}")
+              f"{r['over_us']:>+6.2f}  {r['ratio']:.3f}" + (f"  [{r['weight_plan']}]" if "weight_plan" in r else ""))
 
 
 def markdown(result: dict) -> str:

@@ -54,10 +54,12 @@ def per_call_rows(device, rounds: int | None = None, calls: int = 400) -> list[d
     K, N = (2048, 5632) if gpu else (64, 176)
     rows = []
 
-    def add(what, base, ours, fns, rounds=rounds, calls=calls):
+    def add(what, base, ours, fns, rounds=rounds, calls=calls, weight=None):
         us = per_call_us(fns, device, rounds, calls)
         rows.append({"row": what, "torch": base, "tritonmm": ours, "torch_us": us[base], "tritonmm_us": us[ours],
                      "over_us": us["over"], "ratio": us[base] / (us[base] + us["over"])})
+        if weight is not None:
+            rows[-1]["weight_plan"] = _plan_name(weight)
 
     x = torch.randn(1, K, device=device, dtype=dtype)
     lin = torch.nn.Linear(K, N, device=device, dtype=dtype)
@@ -70,12 +72,13 @@ def per_call_rows(device, rounds: int | None = None, calls: int = 400) -> list[d
         with torch.set_grad_enabled(grad):
             add(f"nn.Linear, {tag}", "nn.Linear", "swapped", {"nn.Linear": lambda: lin(x), "swapped": lambda: swapped(x)})
             add(f"F.linear, {tag}", "F.linear", "tritonmm.linear",
-                {"F.linear": lambda: F.linear(x, w, b), "tritonmm.linear": lambda: tritonmm.linear(x, w, b)})
+                {"F.linear": lambda: F.linear(x, w, b), "tritonmm.linear": lambda: tritonmm.linear(x, w, b)}, weight=w)
             add(f"A/A, {tag}", "F.linear", "F.linear again",  # the same call twice: the method's spread
                 {"F.linear": lambda: F.linear(x, w, b), "F.linear again": lambda: F.linear(x, w, b)})
             wt = w.detach().t()
             add(f"matmul, {tag}", "torch.matmul", "tritonmm.matmul",
-                {"torch.matmul": lambda: torch.matmul(x, wt), "tritonmm.matmul": lambda: tritonmm.matmul(x, wt)})
+                {"torch.matmul": lambda: torch.matmul(x, wt), "tritonmm.matmul": lambda: tritonmm.matmul(x, wt)},
+                weight=wt)
             add(f"Linear + GELU + Linear, {tag}", "nn.Sequential", "fused",
                 {"nn.Sequential": lambda: seq(x), "fused": lambda: fused(x)})
     if gpu:  # fp32 master weights under bf16 autocast, forward + backward
@@ -93,6 +96,16 @@ def per_call_rows(device, rounds: int | None = None, calls: int = 400) -> list[d
             {"nn.Linear": lambda: fwd_bwd(lin32), "swapped": lambda: fwd_bwd(sw32)}, rounds=3 * rounds, calls=40)
         rows.append(_triton_route_row(device, rounds, calls))
     return rows
+
+
+def _plan_name(weight) -> str:
+    """Which path the tritonmm calls on ``weight`` took after the timing: its weight plan (:mod:`tritonmm.plans`)."""
+    from tritonmm import plans
+
+    plan = plans.plans.get(id(weight))
+    if plan is None or plan[1] != weight.data_ptr():
+        return "none (keyed route)"
+    return {2: "free for every GEMM", 1: "free in the forward only", 0: "not free (keyed route, rows kept)"}[plan[0]]
 
 
 def _triton_route_row(device, rounds: int, calls: int) -> dict:
