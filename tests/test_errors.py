@@ -105,6 +105,30 @@ def test_force_backend_rejects_unknown():
             pass
 
 
+@pytest.mark.parametrize("value", ["bogus", " 1", "2"])
+def test_triton_interpret_value_triton_would_not_read_is_an_error(monkeypatch, value):
+    """Triton reads such a value as off, so tritonmm would ask it to interpret a CPU kernel it then compiles."""
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    tritonmm.clear_cache()
+    a, b = randn(8, 8), randn(8, 8)
+    try:
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            tritonmm.explain(a, b)
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            tritonmm.matmul(a, b)
+    finally:
+        monkeypatch.undo()
+        tritonmm.clear_cache()
+
+
+@pytest.mark.parametrize("value,on", [("YES", True), ("y", True), ("On", True), ("n", False), ("", False)])
+def test_triton_interpret_reads_as_triton_does(monkeypatch, value, on):
+    from tritonmm._env import interpreting
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreting() is on
+
+
 @pytest.mark.parametrize("dtype,shape", [(torch.float64, (4, 4)), (torch.float32, (0, 4))], ids=["float64", "empty"])
 def test_bad_environment_value_reported_for_every_call(monkeypatch, dtype, shape):
     """Also where the variable would not matter (torch-served dtype, empty problem): a typo never hides."""

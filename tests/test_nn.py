@@ -139,3 +139,9 @@ def test_triton_linear_module_fuses_activation():
     with tritonmm.force_backend("triton"):
         torch.testing.assert_close(m(x), torch.nn.functional.silu(torch.nn.functional.linear(x, m.weight, m.bias)))
     assert "silu" in repr(m)
+
+
+@pytest.mark.parametrize("activation", ["tanh", None, ["relu"]])
+def test_triton_linear_rejects_an_unknown_activation_when_built(activation):
+    with pytest.raises(ValueError, match="activation"):
+        tritonmm.TritonLinear(12, 6, activation=activation)

@@ -26,9 +26,26 @@ else:  # pragma: no cover - non-POSIX environments
         return tuple(map(os.environ.get, ENV))
 
 
+_TRITON_ON, _TRITON_OFF = ("1", "true", "yes", "on", "y"), ("", "0", "false", "no", "off", "n")
+"""The values Triton reads as on and off (case-insensitive); Triton reads any other value as off."""
+
+
 def interpreting() -> bool:
-    """True under ``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors through its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off", "no")
+    """True under ``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors through its interpreter.
+
+    Raises:
+        ValueError: the variable holds a value Triton does not read as on or off (Triton would run its
+            compiler, tritonmm could not tell).
+    """
+    raw = os.environ.get("TRITON_INTERPRET")
+    if raw is None:
+        return False
+    value = raw.lower()
+    if value in _TRITON_ON:
+        return True
+    if value in _TRITON_OFF:
+        return False
+    raise ValueError(f"environment variable TRITON_INTERPRET={raw!r} is not 0 or 1")
 
 
 def switch(name: str) -> bool:

@@ -36,6 +36,7 @@ from torch.nn.utils import parametrize
 from . import api as _api
 from . import dispatch
 from ._env import raw_env
+from .activations import ACTIVATIONS
 from .api import (_BACKEND, _KERNEL, _PLAIN, _F_linear, _any_autocast, _dynamo_compiling, _forced,  # the fast
                   _grad_enabled, _plans_get, _tracing_state, linear)  # path's bound callables
 
@@ -48,9 +49,14 @@ class TritonLinear(nn.Linear):
         activation (str): "none", "relu", "gelu", "gelu_tanh" or "silu", fused into the GEMM epilogue.
 
     Shapes: input (*, in_features) -> output (*, out_features), as nn.Linear.
+
+    Raises:
+        ValueError: unknown activation.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, activation="none"):
+        if not isinstance(activation, str) or activation not in ACTIVATIONS:
+            raise ValueError(f"TritonLinear: activation must be one of {ACTIVATIONS}, got {activation!r}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.activation = activation
 

@@ -37,6 +37,7 @@ import time
 import torch
 
 from .bench import DTYPES, default_suite, load_suite
+from .dispatch import TRITON_MIN_SAVING_US
 
 
 def parse_args(argv=None):
@@ -69,7 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--min-gain-us", type=float, default=1.0,
                    help="and only when it saves at least this many µs per call on every shape of the key (default "
                         "%(default)s: identical cuBLAS calls read up to about 0.6 µs apart between processes on the "
-                        "H200, so smaller savings on short GEMMs are not reproducible)")
+                        "H200, so smaller savings on short GEMMs are not reproducible); the dispatcher uses a Triton winner "
+                        f"only where it also saves {TRITON_MIN_SAVING_US:g} µs (dispatch.TRITON_MIN_SAVING_US), "
+                        "more than its route costs the host")
     p.add_argument("--redecide", action="store_true",
                    help="measure nothing: re-decide the entries of the table at --out from the measurements stored "
                         "in it (e.g. with another --min-gain); needs no GPU")

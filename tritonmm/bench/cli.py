@@ -120,6 +120,8 @@ def model_main(args) -> int:
         os.environ["TRITON_INTERPRET"] = "0"
         tritonmm.clear_cache()
         torch.set_num_threads(1)
+        print("No CUDA GPU: a tiny model on the CPU; these times show tritonmm's host cost per call, not GPU speed.",
+              flush=True)
     if transformers is None:
         print("transformers is not installed (pip install transformers): per-call rows only", file=sys.stderr)
         result = {"phases": [], "per_call": per_call.per_call_rows(device)}
@@ -134,8 +136,6 @@ def model_main(args) -> int:
         result = model.run(device, args.rounds, args.model_configs, args.model_phases,
                            progress=lambda m: print(m, file=sys.stderr, flush=True),
                            measured=measured if args.json else None)
-    if device.type == "cpu":
-        print("No CUDA GPU: a tiny model on the CPU; these times show tritonmm's host cost per call, not GPU speed.")
     model.print_report(result)
     if args.json:
         _write_json(args, result)
