@@ -552,7 +552,44 @@ def test_compiled_fused_mlp_fullgraph():
     torch.testing.assert_close(f(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_compiled_fused_mlp_fullgraph_under_autocast(packed):
+    """Packed weights are cast as one tensor in eager calls only: tracing cannot read where they lie."""
+    mlp = MLP()
+    ref = copy.deepcopy(mlp)
+    tritonmm.fuse(mlp, pack=packed)
+    if packed:  # (CPU weights pack under the interpreter only)
+        assert mlp.gate_proj.weight.untyped_storage().data_ptr() == mlp.up_proj.weight.untyped_storage().data_ptr()
+    f = torch.compile(mlp, fullgraph=True, backend="aot_eager")
+    g = torch.compile(lambda t: tritonmm.gated_linear(t, mlp.gate_proj.weight, mlp.up_proj.weight), fullgraph=True,
+                      backend="eager")
+    x = randn(3, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, want = f(x), ref(x)
+        h = g(x)
+        h_want = F.silu(ref.gate_proj(x)) * ref.up_proj(x)
+    assert out.dtype == want.dtype == h.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(h, h_want, rtol=2e-2, atol=2e-2)
+
+
 # ----------------------------------------------------------------------------- found by adversarial inputs
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("M,N,K", [(3, 0, 8), (3, 5, 0), (0, 5, 8)])
+def test_empty_problem_backward(bias, M, N, K):
+    """Zero-size dims: the gradients the torch expression gives (zeros or empty), values included."""
+    x, wg, wu, bg, bu = operands(M, N, K, bias=bias)
+    x = x.view(1, M, K)  # with a batch dim: the backward's reshapes must not guess a -1
+    ours = [t.clone().requires_grad_() for t in (x, wg, wu) + ((bg, bu) if bias else ())]
+    theirs = [t.detach().double().requires_grad_() for t in ours]
+    out, want = tritonmm.gated_linear(*ours), gated.reference(*theirs)
+    assert out.shape == want.shape == (1, M, N)
+    (out.sum() + ours[0].sum()).backward()
+    (want.sum() + theirs[0].sum()).backward()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad.double(), b.grad)
 
 
 @pytest.fixture

@@ -43,12 +43,12 @@ def kernel_shaped(x, w_gate, w_up, b_gate, b_up) -> bool:
 
 def autocast(x: Tensor, w_gate, w_up, b_gate, b_up):
     """The operands as F.linear casts them under ``torch.autocast`` (weight casts reused within the region; packed
-    weights cast as one tensor, whose halves stay packed)."""
+    weights cast as one tensor, whose halves stay packed, in eager calls: tracing cannot read where they lie)."""
     dtype = routes._autocast_dtype(x)
     if dtype is None:
         return x, w_gate, w_up, b_gate, b_up
     cast = routes._cast
     if b_gate is None and b_up is None and w_gate.is_floating_point() and w_gate.dtype not in (dtype, torch.float64) \
-            and gated_cublas.packed(w_gate, w_up) is not None:  # one cast, whose halves stay packed
+            and not _is_compiling() and gated_cublas.packed(w_gate, w_up) is not None:  # one cast, halves packed
         return (cast(x, dtype), *PackedCast.apply(w_gate, w_up, dtype), None, None)
     return cast(x, dtype), cast(w_gate, dtype), cast(w_up, dtype), cast(b_gate, dtype), cast(b_up, dtype)

@@ -25,12 +25,12 @@ def backward(grad_h: Tensor, x_shape, x, w_gate, w_up, g: Tensor, u: Tensor, act
     None where ``needs`` (five bools) says none is wanted. ``x`` is needed only for the weights'
     gradients, the weights only for the input's (None otherwise), as torch saves them."""
     N, K = g.shape[-1], x_shape[-1]
-    d_gate, d_up, both = gated_cublas.grads(grad_h.reshape(-1, N), g, u, activation, needs)
+    d_gate, d_up, both = gated_cublas.grads(grad_h.reshape(g.shape), g, u, activation, needs)  # (-1: N may be 0)
     dx = dwg = dwu = dbg = dbu = None
     if needs[0]:  # (as one GEMM on [Wg; Wu] its K is 2N, and it ran slower on the H200 than these two)
         dx = (d_gate @ w_gate).addmm_(d_up, w_up).view(x_shape)  # in place: addmm would copy its first operand
     if needs[1] or needs[2]:
-        x2 = x.reshape(-1, K)
+        x2 = x.reshape(g.shape[0], K)
         if both is not None and needs[1] and needs[2]:  # [d_gate, d_up]^T @ x: one GEMM, the gradients its halves
             dw = both.t() @ x2
             dwg, dwu = dw[:N], dw[N:]
