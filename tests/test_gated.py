@@ -573,6 +573,32 @@ def test_compiled_fused_mlp_fullgraph_under_autocast(packed):
     torch.testing.assert_close(h, h_want, rtol=2e-2, atol=2e-2)
 
 
+def _graphs(module, shapes):
+    """How many graphs torch.compile (automatic dynamic shapes) makes of ``module`` over calls on inputs of these
+    shapes, each with and without autograd."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(module, backend=backend, fullgraph=True)
+    for shape in shapes:
+        x = randn(*shape)
+        f(x.requires_grad_()).sum().backward()
+        with torch.no_grad():
+            f(x)
+    return len(graphs)
+
+
+def test_compiled_fused_mlp_adds_no_size_guards():
+    """Dynamo reads a symbolic size as an int; the trace-time decision must not guard on the row count (a fused
+    MLP recompiles no more often than the module it replaces)."""
+    shapes = [(2, 1, 48), (2, 3, 48), (2, 20, 48), (2, 5, 48)]
+    assert _graphs(tritonmm.fuse(MLP()), shapes) == _graphs(MLP(), shapes)
+
+
 # ----------------------------------------------------------------------------- found by adversarial inputs
 
 

@@ -16,8 +16,10 @@ gradient as one addmm. A backward with ``create_graph=True`` (double backward) d
 torch expression, recomputed. Under ``torch.autocast`` the inputs are cast as F.linear casts them (weight
 casts reused within the region). Plain eager calls launch the kernel directly; other modes
 (``torch.compile``, ``torch.export``, tensor subclasses) go through the ``tritonmm::gated_linear``
-op; functorch transforms, float64, devices other than CUDA (or the interpreter's CPU) and empty
-problems are served by the torch expression itself.
+op (under ``torch.compile`` for sizes known at trace time to be at most ``GATED_MAX_M`` rows; other
+traced calls record the torch expression, which Inductor fuses, without a guard on their size);
+functorch transforms, float64, devices other than CUDA (or the interpreter's CPU) and empty problems are
+served by the torch expression itself.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true as _known
 
 from . import activations, device as _device, gated_cublas, gated_grads, gated_tuning, modes, routes, runners
 from ._env import raw_name
@@ -414,9 +417,8 @@ def _gated_linear(input, w_gate, w_up, b_gate, b_up, activation):
     check(input, w_gate, w_up, b_gate, b_up, activation)
     tensors = (input, w_gate, w_up, b_gate, b_up)
     if modes.is_compiling():  # decided at trace time; symbolic sizes take the torch expression (no guard)
-        n, K = input.numel(), input.shape[-1]
-        if isinstance(n, torch.SymInt) or isinstance(K, torch.SymInt) or input.dtype not in _KERNEL_DTYPES \
-                or n > GATED_MAX_M * K:
+        # (Dynamo reads a symbolic size as an int: only a bound provable without a guard takes the op)
+        if input.dtype not in _KERNEL_DTYPES or not _known(input.numel() <= GATED_MAX_M * input.shape[-1]):
             return reference(*tensors, activation)  # traced: Inductor fuses the elementwise work
     elif modes.torch_only(*tensors):
         return reference(*tensors, activation)
