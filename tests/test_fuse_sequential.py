@@ -181,6 +181,25 @@ def test_compiled_fused_sequential_fullgraph(dynamic):
     assert x.grad is not None and seq[0].weight.grad is not None
 
 
+def test_compiled_fused_sequential_compiles_once_for_one_shape(monkeypatch):
+    """A trace neither reads nor fills the module-type cache: its first fill would fail the trace's guard."""
+    from tritonmm import plain_modules
+
+    monkeypatch.setattr(plain_modules, "_linear_types", {})  # as in a fresh process
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(tritonmm.fuse(_mlp("gelu")), backend=backend, fullgraph=True)
+    x = randn(3, 48)
+    for _ in range(3):
+        f(x)
+    assert len(frames) == 1
+
+
 def test_settles_where_every_pair_goes_to_torch_and_unsettles(monkeypatch):
     """Where dispatch sends every GEMM of each fused pair's weight to torch (as on a GPU whose table never
     picks Triton for them), the Sequential settles into nn.Sequential's forward after one call: no

@@ -174,7 +174,8 @@ def _fused_forward(self, x):
             # the torch expression serves the call (rows, FLOP), or no gated kernel takes x's dtype and device
             return down(act(gate(x)) * up(x)) if act is not None else down(self.act_fn(gate(x)) * up(x))
         name = activation_name(act)
-        if name is not None and _linear_type(gate) and _linear_type(up) and not _any_hooked(gate, up, act):
+        plain = _plain_linear if compiling else _linear_type  # (a traced fill of the cache fails the trace's guard)
+        if name is not None and plain(gate) and plain(up) and not _any_hooked(gate, up, act):
             pg, pu = gate._parameters, up._parameters
             wg, wu, bg, bu = pg.get("weight", _MISSING), pu.get("weight", _MISSING), pg.get("bias", _MISSING), \
                 pu.get("bias", _MISSING)
@@ -182,7 +183,7 @@ def _fused_forward(self, x):
                 wg, wu, bg, bu = _param(gate, "weight"), _param(up, "weight"), _param(gate, "bias"), _param(up, "bias")
             if _plain_params(wg, bg) and _plain_params(wu, bu):  # (torch_serves was checked above)
                 h = gated_linear(x, wg, wu, bg, bu, name)
-                if type(down).forward in _TORCH_LINEAR_FORWARDS and _linear_type(down) and not _any_hooked(down):
+                if type(down).forward in _TORCH_LINEAR_FORWARDS and plain(down) and not _any_hooked(down):
                     return _F_linear(h, _param(down, "weight"), _param(down, "bias"))  # its forward, without __call__
                 return down(h)
     return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # the recognised forward, written out
@@ -196,13 +197,15 @@ def _fused_sequential_forward(self, input):
     children = list(self._modules.values())
     n, i, fused = len(children), 0, 0
     pairs = n > 1 and not _global_hooks()
-    settles = pairs and not _is_compiling()
+    compiling = _is_compiling()
+    settles = pairs and not compiling
+    plain = _plain_linear if compiling else _linear_type  # (a traced fill of the cache fails the trace's guard)
     while i < n:
         m = children[i]
         if pairs and i + 1 < n:
             act = children[i + 1]
             name = activation_name(act)
-            if name is not None and _linear_type(m) and not _any_hooked(m, act):
+            if name is not None and plain(m) and not _any_hooked(m, act):
                 weight, bias = m.weight, m.bias
                 if _plain_params(weight, bias):
                     input = linear(input, weight, bias, name)
