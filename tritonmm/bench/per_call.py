@@ -102,10 +102,10 @@ def _plan_name(weight) -> str:
     """Which path the tritonmm calls on ``weight`` took after the timing: its weight plan (:mod:`tritonmm.plans`)."""
     from tritonmm import plans
 
-    plan = plans.plans.get(id(weight))
-    if plan is None or plan[1] != weight.data_ptr():
+    if not plans.planned(weight):
         return "none (keyed route)"
-    return {2: "free for every GEMM", 1: "free in the forward only", 0: "not free (keyed route, rows kept)"}[plan[0]]
+    free = plans.plans[id(weight)][0]
+    return {2: "free for every GEMM", 1: "free in the forward only", 0: "not free (keyed route, rows kept)"}[free]
 
 
 def _triton_route_row(device, rounds: int, calls: int) -> dict:
