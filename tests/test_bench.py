@@ -76,6 +76,26 @@ def test_cpu_check_runs_every_kernel_path(capsys):
     assert out.count("padded") == 6 and out.count("tma-splitk") == 6
 
 
+def test_cpu_check_runs_the_interpreter_whatever_triton_interpret_said():
+    """With TRITON_INTERPRET=0 the check still runs each kernel through the interpreter (and says so); a path the
+    interpreter did not run (here: tritonmm told it was interpreting while Triton was not) fails the check."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU check runs without a GPU")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-m", "tritonmm.bench"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "TRITON_INTERPRET=0 set to 1" in run.stdout and run.stdout.count(" ok") == 30
+    fake = ("import tritonmm._env as e; e.interpreting = lambda: True\n"
+            "from tritonmm.bench.cpu import cpu_check; raise SystemExit(cpu_check())")
+    run = subprocess.run([sys.executable, "-c", fake], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "FAIL" in run.stdout
+
+
 def test_main_without_gpu_names_the_flags_it_ignores(monkeypatch, capsys, tmp_path):
     import torch
 
@@ -142,6 +162,30 @@ def test_markdown_inductor_columns_and_bad_json(tmp_path, capsys):
     bad.write_text(json.dumps({"floor": []}))
     assert bench.main(["--from-json", str(bad)]) == 2
     assert "not a --json run" in capsys.readouterr().err
+
+    for text in ("{not json", "", "[" * 100000, '{"rows": [{}]}', '{"rows": [1, 2]}', '{"phases": [1]}',
+                 '{"rows": [{"tokens": 1}]}'):  # errors of the file, never a traceback
+        bad.write_text(text)
+        assert bench.main(["--from-json", str(bad)]) == 2
+        assert "not a --json run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["{bad", "[1, 2]", "{}", '{"shapes": {"a": 1}}',
+                                  '{"shapes": [{"M": 1, "N": 1, "K": 1}]}',
+                                  '{"shapes": [{"tag": "x", "M": -64, "N": 1, "K": 1}]}',
+                                  '{"shapes": [{"tag": "x", "M": "64", "N": 1, "K": 1}]}',
+                                  '{"shapes": [{"tag": "x", "M": 1, "N": 1, "K": 1, "dtype": "float64"}]}',
+                                  '{"shapes": [{"tag": "x", "M": 1, "N": 1, "K": 1, "layout": "tt"}]}',
+                                  '{"shapes": [], "dtypes": ["int8"]}'])
+def test_a_shape_suite_that_is_not_one_is_refused_with_its_name(tmp_path, text):
+    path = tmp_path / "suite.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="suite.json"):
+        bench.load_suite(path, None)
+    with pytest.raises(ValueError, match="suite.json"):
+        bench.load_suite(tmp_path / "missing" / "suite.json", ["x"])
+    shapes, dtypes = bench.load_suite(bench.default_suite(), ["square"])
+    assert shapes and all(s["tag"].startswith("square") for s in shapes) and dtypes
 
 
 def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):

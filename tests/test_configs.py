@@ -154,6 +154,51 @@ def test_old_candidates_file_without_tma_split_k(tmp_path, monkeypatch):
         cfg._candidates_file.cache_clear()
 
 
+@pytest.mark.parametrize("change", ["BLOCK_M=-32", "BLOCK_K=0", "BLOCK_M='32'", "BLOCK_M=24", "no interpreter",
+                                    "a list", "corrupt", "short row"])
+def test_a_candidate_list_that_cannot_launch_is_refused_with_its_name(tmp_path, monkeypatch, change):
+    """A config directory's candidates.json is checked when read: a value Triton cannot launch (or one that launches
+    a wrong kernel: a negative block size) raises ValueError naming the file, never a wrong result."""
+    data = json.loads((REPO / "configs" / "candidates.json").read_text())
+    if "=" in change:
+        field, value = change.split("=")
+        data["interpreter"]["pointer"][field] = eval(value)
+    elif change == "no interpreter":
+        del data["interpreter"]
+    elif change == "short row":
+        data["tma"]["configs"][0].pop()
+    text = "[]" if change == "a list" else "{bad" if change == "corrupt" else json.dumps(data)
+    (tmp_path / "candidates.json").write_text(text)
+    monkeypatch.setenv("TRITONMM_CONFIG_DIR", str(tmp_path))
+    cfg.clear()
+    try:
+        with pytest.raises(ValueError, match="candidates.json is not a valid candidate list"):
+            cfg.candidates("pointer")
+    finally:
+        monkeypatch.delenv("TRITONMM_CONFIG_DIR")
+        cfg.clear()
+    assert cfg.candidates("pointer")
+
+
+def test_clear_cache_reads_a_new_config_dir(tmp_path, monkeypatch):
+    """README: a new config directory takes effect after ``tritonmm.clear_cache()``."""
+    import tritonmm
+
+    data = json.loads((REPO / "configs" / "candidates.json").read_text())
+    shipped = data["interpreter"]["pointer"]["BLOCK_M"]
+    data["interpreter"]["pointer"]["BLOCK_M"] = shipped // 2
+    (tmp_path / "candidates.json").write_text(json.dumps(data))
+    assert cfg.interpreter_config("pointer")["BLOCK_M"] == shipped
+    monkeypatch.setenv("TRITONMM_CONFIG_DIR", str(tmp_path))
+    try:
+        tritonmm.clear_cache()
+        assert cfg.interpreter_config("pointer")["BLOCK_M"] == shipped // 2
+    finally:
+        monkeypatch.delenv("TRITONMM_CONFIG_DIR")
+        tritonmm.clear_cache()
+    assert cfg.interpreter_config("pointer")["BLOCK_M"] == shipped
+
+
 def test_config_dir_env_override(tmp_path, monkeypatch):
     (tmp_path / "candidates.json").write_text((REPO / "configs" / "candidates.json").read_text())
     monkeypatch.setenv("TRITONMM_CONFIG_DIR", str(tmp_path))

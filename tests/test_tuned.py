@@ -82,7 +82,9 @@ def test_read_table_rejects_bad_files(tmp_path):
     ("bfloat16:16:64:nt", {}), ("bfloat16:x:64:64:nt", {}), ("bfloat16:0:64:64:nt", {}),
     ("int8:16:64:64:nt", {}), ("bfloat16:16:64:64:xx", {}),
     ("bfloat16:16:64:64:nt", {"torch_us": None}), ("bfloat16:16:64:64:nt", {"torch_us": "5"}),
-    ("bfloat16:16:64:64:nt", {"torch_us": True}),
+    ("bfloat16:16:64:64:nt", {"torch_us": True}), ("bfloat16:16:64:64:nt", {"torch_us": 10 ** 400}),
+    ("bfloat16:16:64:64:nt", {"torch_us": float("nan")}), ("bfloat16:16:64:64:nt", {"torch_us": -1.0}),
+    ("bfloat16:16:64:64:nt", {"triton_us": float("inf")}),
 ])
 def test_read_table_rejects_entries_the_dispatcher_could_not_read(tmp_path, key, entry):
     """Keys and cuBLAS times are read on the dispatcher's path (``weight_used``, ``_table_decision``): a
@@ -92,6 +94,29 @@ def test_read_table_rejects_entries_the_dispatcher_could_not_read(tmp_path, key,
         "backend": "torch", "kernel": None, "config": None, "torch_us": 5.0, **entry}}}))
     with pytest.warns(RuntimeWarning, match="ignoring tuned table"):
         assert tuned.read_table(path) is None
+
+
+def test_read_table_refuses_a_triton_entry_without_its_time_and_deep_json(tmp_path):
+    """A Triton entry's own time is read when a call is decided (the first-sight margin, the saving), and a deeply
+    nested file exhausts the JSON parser's recursion: both are refused when read, the table's writer moves the
+    second aside."""
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_stages": 3, "num_warps": 4}
+    path = tmp_path / "t.json"
+    entry = {"backend": "triton", "kernel": "pointer", "config": cfg, "torch_us": 100.0, "first_sight_s": 0.2}
+    for triton_us in (None, 10 ** 400):
+        path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {"bfloat16:4096:4096:4096:nn": {
+            **entry, "triton_us": triton_us}}}))
+        with pytest.warns(RuntimeWarning, match="triton_us is not a number"):
+            assert tuned.read_table(path) is None
+    path.write_text("[" * 100000)
+    with pytest.warns(RuntimeWarning, match="ignoring tuned table"):
+        assert tuned.read_table(path) is None
+    sig = {"capability": [9, 0], "sms": 132, "triton": "3.6.0"}
+    with pytest.warns(RuntimeWarning, match="moved tuned table"):
+        tuned.merge_entries(path, sig, "H200", {"bfloat16:64:64:64:nn": {
+            "backend": "torch", "kernel": None, "config": None, "torch_us": 5.0}})
+    assert list(tuned.read_table(path)["entries"]) == ["bfloat16:64:64:64:nn"]
+    assert (tmp_path / "t.json.bad").read_text() == "[" * 100000
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -211,6 +236,46 @@ def test_redecide_rewrites_entries_from_stored_measurements(tmp_path, capsys):
     assert all(e["backend"] == "torch" for e in json.loads(path.read_text())["entries"].values())
     assert main(["--redecide", "--out", str(tmp_path)]) == 2  # a directory is not a table
     assert main(["--redecide", "--out", str(tmp_path / "missing.json")]) == 2
+    written = path.read_text()
+    one = {**measured[0], "M": 300}  # a key of its own
+    bad = [{**one, "configs": [{**one["configs"][0], "config": {**one["configs"][0]["config"], "BLOCK_M": 48}}]},
+           {**one, "dtype": "float64"}, {**one, "configs": [{**one["configs"][0], "us": "5"}]},
+           {k: v for k, v in one.items() if k != "configs"}, 1]  # (BLOCK_M 48 cannot launch)
+    for record_ in bad:  # refused with a message and nothing written, never a table its reader then ignores
+        table = json.loads(written)
+        path.write_text(json.dumps({**table, "measurements": table["measurements"] + [record_]}))
+        before = path.read_text()
+        capsys.readouterr()
+        assert main(["--redecide", "--out", str(path)]) == 2
+        assert "nothing written" in capsys.readouterr().err and path.read_text() == before
+
+
+def test_redecide_takes_the_table_lock(tmp_path, monkeypatch):
+    """Entries that first-sight tuning merges in another process while a table is re-decided are not lost: both
+    hold the table's lock while they read and write it."""
+    from tritonmm.tune import main
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {}, "measurements": [
+        {**shape(16, 10.0, [({**A, "BLOCK_K": 64, "GROUP_M": 8, "num_stages": 3, "num_warps": 4}, 5.0)]),
+         "dtype": "bfloat16", "layout": "nn"}]}))
+    held = []
+    real = tuned.locked
+
+    def locked(p):
+        held.append(p)
+        return real(p)
+
+    monkeypatch.setattr(tuned, "locked", locked)
+    read = tuned.read_table
+
+    def read_table(p):  # the read happens under the lock
+        assert held == [path]
+        return read(p)
+
+    monkeypatch.setattr(tuned, "read_table", read_table)
+    assert main(["--redecide", "--out", str(path)]) == 0
+    assert held == [path]
 
 
 def test_choose_breaks_ties_by_measurement_order():

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from . import activations, dispatch, first_sight, gated, layout, modes, routes, runners, shapes
 from ._env import raw_env, raw_name
+from .kernels import configs
 from .plans import free_ptrs, plans
 
 _plans_get = plans.get
@@ -198,6 +199,7 @@ def clear_cache() -> None:
     thread's workspace buffers."""
     routes.clear()
     runners.clear_cache()
+    configs.clear()
     gated.clear_cache()
     dispatch._tuned.clear()
     first_sight.forget()

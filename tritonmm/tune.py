@@ -198,16 +198,24 @@ def redecide(path: pathlib.Path, min_gain: float, min_gain_us: float) -> int:
     """Rewrite the entries of the table at ``path`` from its stored measurements (no GPU needed)."""
     from . import tuned
 
-    table = tuned.read_table(path) if path.is_file() else None
-    if not table or not table.get("measurements"):
-        print(f"{path}: no readable table with stored measurements", file=sys.stderr)
-        return 2
-    entries = decide_entries(table["measurements"], min_gain, min_gain_us)
-    changed = sorted(k for k in entries if table["entries"].get(k, {}).get("backend") != entries[k]["backend"]
-                     or table["entries"].get(k, {}).get("kernel") != entries[k]["kernel"])
-    table["entries"] = {**table["entries"], **entries}
-    table["min_gain"], table["min_gain_us"] = min_gain, min_gain_us
-    tuned.atomic_write_text(path, json.dumps(table, indent=1))
+    with tuned.locked(path):  # (first-sight tuning in other processes merges into the same table)
+        table = tuned.read_table(path) if path.is_file() else None
+        if not table or not isinstance(table.get("measurements"), list) or not table["measurements"]:
+            print(f"{path}: no readable table with stored measurements", file=sys.stderr)
+            return 2
+        try:  # measurements as measure_shape writes them, deciding entries the table's reader takes
+            entries = decide_entries(table["measurements"], min_gain, min_gain_us)
+            for key, entry in entries.items():
+                tuned._check_entry(key, entry)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            print(f"{path}: its measurements do not make a valid table ({type(exc).__name__}: {exc}); "
+                  "nothing written", file=sys.stderr)
+            return 2
+        changed = sorted(k for k in entries if table["entries"].get(k, {}).get("backend") != entries[k]["backend"]
+                         or table["entries"].get(k, {}).get("kernel") != entries[k]["kernel"])
+        table["entries"] = {**table["entries"], **entries}
+        table["min_gain"], table["min_gain_us"] = min_gain, min_gain_us
+        tuned.atomic_write_text(path, json.dumps(table, indent=1))
     print(f"re-decided {len(entries)} entries of {path} with --min-gain {min_gain} --min-gain-us {min_gain_us}; "
           f"changed: {', '.join(changed) or 'none'}")
     return 0
@@ -295,7 +303,11 @@ def main(argv=None) -> int:
         return 2
     from . import tuned
 
-    shapes, _ = load_suite(args.shapes or default_suite(), args.tags)
+    try:
+        shapes, _ = load_suite(args.shapes or default_suite(), args.tags)
+    except ValueError as exc:
+        print(f"python -m tritonmm.tune: error: {exc}", file=sys.stderr)
+        return 2
     work = _work(shapes, args)
     if args.user:
         work = _unmeasured(work, torch.device("cuda", torch.cuda.current_device()))

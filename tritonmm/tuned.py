@@ -107,10 +107,11 @@ def _check_entry(key, e) -> None:
     _check_key(key)
     if not isinstance(e, dict) or e.get("backend") not in ("torch", "triton"):
         raise ValueError(f"entry {key!r}: backend must be 'torch' or 'triton'")
-    for timing in ("torch_us", "triton_us"):
-        if (e.get(timing) is not None or timing == "torch_us") and (
-                not isinstance(e.get(timing), (int, float)) or isinstance(e.get(timing), bool)):
-            raise ValueError(f"entry {key!r}: {timing} is not a number")
+    for timing in ("torch_us", "triton_us"):  # (a Triton entry has its kernel's time)
+        t = e.get(timing)
+        if (t is not None or timing == "torch_us" or e["backend"] == "triton") and not (
+                type(t) in (int, float) and 0 <= t < 1e12):  # (< 1e12: a float, neither NaN nor inf)
+            raise ValueError(f"entry {key!r}: {timing} is not a number of µs (finite, >= 0): {t!r}")
     if e["backend"] == "triton" or e.get("config") is not None:  # a torch entry names its fastest Triton config
         from .kernels import gated_launchers  # (imports triton: on use)
         try:
@@ -120,15 +121,15 @@ def _check_entry(key, e) -> None:
             raise ValueError(f"entry {key!r}: {exc}") from None
 
 
-_BAD_TABLE = (OSError, ValueError, AttributeError, TypeError)
+_BAD_TABLE = (OSError, ValueError, AttributeError, TypeError, RecursionError)  # (RecursionError: deep JSON)
 
 
 def parse_table(path: pathlib.Path) -> dict:
     """Parse and validate one table. Tables are JSON data, never executed.
 
     Raises:
-        OSError, ValueError, AttributeError, TypeError: unreadable, truncated, of another format, or
-            holding a malformed entry.
+        OSError, ValueError, AttributeError, TypeError, RecursionError: unreadable, truncated, of another
+            format, or holding a malformed entry.
     """
     data = _load(path)
     for key, entry in data["entries"].items():
@@ -213,7 +214,7 @@ def _mergeable(path: pathlib.Path, sig: dict) -> dict | None:
         if any(table.get(k) != sig[k] for k in ("capability", "sms", "triton")):
             raise ValueError("measured on another GPU or Triton release (" + ", ".join(
                 f"{k} {table.get(k)}" for k in ("capability", "sms", "triton")) + ")")
-    except (*_BAD_TABLE, RecursionError) as exc:
+    except _BAD_TABLE as exc:
         bad = path.with_name(path.name + ".bad")
         os.replace(path, bad)
         warnings.warn(f"tritonmm: moved tuned table {path} aside to {bad.name}: {exc}", RuntimeWarning, stacklevel=4)

@@ -104,9 +104,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_suite(path: pathlib.Path, tags) -> tuple[list[dict], list[str]]:
-    data = json.loads(path.read_text())
-    shapes = [s for s in data["shapes"] if not tags or any(s["tag"].startswith(t) for t in tags)]
-    return shapes, data.get("dtypes", ["bfloat16"])
+    """The rows of a shape suite (``configs/shapes.json``'s format, which :func:`tritonmm.capture.geometries`
+    writes too) whose tag starts with one of ``tags`` (all rows without ``tags``), and the suite's dtypes.
+
+    Raises:
+        ValueError: the file cannot be read, or is not such a suite (the first bad row is named).
+    """
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ValueError(f"{path}: not a readable shape suite ({exc})") from None
+    rows, dtypes = (data.get("shapes"), data.get("dtypes", ["bfloat16"])) if isinstance(data, dict) else (None, None)
+    if not isinstance(rows, list) or not isinstance(dtypes, list) or not all(d in DTYPES for d in dtypes):
+        raise ValueError(f"{path}: a shape suite is a JSON object with a 'shapes' list (and an optional 'dtypes' "
+                         f"list of {', '.join(DTYPES)})")
+    for i, s in enumerate(rows):
+        if not (isinstance(s, dict) and isinstance(s.get("tag"), str) and all(type(s.get(k)) is int and s[k] > 0
+                                                                              for k in "MNK")
+                and s.get("dtype", "bfloat16") in DTYPES and s.get("layout", "nn") in ("nn", "nt")):
+            raise ValueError(f"{path}: shape row {i}, {s!r}, is not {{'tag': str, 'M', 'N', 'K': int > 0}} with an "
+                             f"optional 'dtype' ({', '.join(DTYPES)}) and 'layout' (nn, nt)")
+    return [s for s in rows if not tags or any(s["tag"].startswith(t) for t in tags)], dtypes
 
 
 def model_main(args) -> int:
@@ -204,7 +222,11 @@ def main(argv=None) -> int:
     except ImportError:  # the bar is a convenience
         def tqdm(it, **kw):
             return it
-    shapes, suite_dtypes = load_suite(args.shapes or default_suite(), args.tags)
+    try:
+        shapes, suite_dtypes = load_suite(args.shapes or default_suite(), args.tags)
+    except ValueError as exc:
+        print(f"python -m tritonmm.bench: error: {exc}", file=sys.stderr)
+        return 2
     if args.linear:
         shapes = [s for s in shapes if s["tag"].startswith("llama8b")]
     dtypes = [DTYPES[d] for d in (args.dtype or suite_dtypes)]

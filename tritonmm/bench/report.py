@@ -168,7 +168,15 @@ def from_json(args) -> int:
 
     Returns 2, with a message, for a file that is not a ``--json`` run of this tool.
     """
-    data = json.loads(args.from_json.read_text())
+    try:
+        return _render(args, json.loads(args.from_json.read_text()))
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as exc:
+        print(f"python -m tritonmm.bench: error: {args.from_json} is not a --json run of python -m tritonmm.bench "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+
+
+def _render(args, data) -> int:
     if isinstance(data, dict) and isinstance(data.get("phases"), list):  # a --model run
         from .model import markdown as model_markdown
         from .model import print_report

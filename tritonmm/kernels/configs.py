@@ -47,7 +47,42 @@ def config_dir() -> pathlib.Path:
 
 @functools.cache
 def _candidates_file() -> dict[str, Any]:
-    return json.loads((config_dir() / "candidates.json").read_text())
+    """``candidates.json``, checked: for each kernel, ``fields`` and ``configs`` rows of ints Triton can launch
+    (:func:`check_fields`, :func:`check_launchable`), and one ``interpreter`` config.
+
+    Raises:
+        ValueError: the file is not such a list of candidates (named, with what is wrong).
+    """
+    path = config_dir() / "candidates.json"
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("interpreter"), dict):
+            raise ValueError("not an object with an 'interpreter' object")
+        for kernel in KERNELS:
+            table = data.get(kernel)
+            if not (isinstance(table, dict) and isinstance(table.get("fields"), list) and table["fields"]
+                    and isinstance(table.get("configs"), list) and table["configs"]
+                    and all(isinstance(r, list) and len(r) == len(table["fields"]) for r in table["configs"])):
+                raise ValueError(f"{kernel}: not a non-empty 'fields' list and 'configs' rows of as many values")
+            for config in [dict(zip(table["fields"], r)) for r in table["configs"]] + [data["interpreter"].get(kernel)]:
+                if not isinstance(config, dict) or set(config) != set(table["fields"]) - (
+                        set(OPTIONAL.get(kernel, ())) - set(config)):
+                    raise ValueError(f"{kernel}: config {config!r} does not have the fields {table['fields']}")
+                check_fields(kernel, config)
+                check_launchable(kernel, config)
+    except (OSError, ValueError, RecursionError, TypeError) as exc:
+        raise ValueError(f"tritonmm: {path} is not a valid candidate list: {exc}") from None
+    return data
+
+
+_dependents: list = []  # caches built from the candidates (clear() clears them too)
+
+
+def clear() -> None:
+    """Forget the candidates read (a new ``TRITONMM_CONFIG_DIR`` takes effect at the next use)."""
+    _candidates_file.cache_clear()
+    for cache in _dependents:
+        cache.cache_clear()
 
 
 def candidates(kernel: str) -> list[dict[str, int]]:
@@ -78,6 +113,11 @@ def validate(kernel: str, config) -> None:
         got = sorted(config) if isinstance(config, dict) else type(config).__name__
         some = f" ({sorted(optional)} optional)" if optional else ""
         raise ValueError(f"a {kernel} config needs exactly the fields {sorted(fields)}{some}, got {got}")
+    check_fields(kernel, config)
+
+
+def check_fields(kernel: str, config: dict) -> None:
+    """Raise ValueError unless each value of ``config`` is an int in its field's range (:func:`validate`)."""
     for k, v in config.items():
         low = {"EPILOGUE_SUBTILE": 0, "SPLIT_K": 2 if kernel == "splitk" else 1}.get(k, 1)
         if type(v) is not int or v < low:

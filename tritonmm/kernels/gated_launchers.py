@@ -90,6 +90,9 @@ def autotuned(kernel: str):
                            cache_results=True)(fn)
 
 
+_cfg._dependents += [_candidates, autotuned]
+
+
 def fixed_config(kernel: str, config, M, N, K, dtype, device):
     """An explicit config, the interpreter's, the heuristic's (no autotuning allowed), or None (autotune)."""
     if config is not None:

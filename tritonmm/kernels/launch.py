@@ -160,6 +160,9 @@ def autotuned(kernel: str):
     return triton.autotune(configs=configs, key=key, prune_configs_by=prune, cache_results=True)(fn)
 
 
+_cfg._dependents.append(autotuned)
+
+
 _tune_lock = threading.Lock()  # Autotuner.run keeps per-call state on the object
 
 
