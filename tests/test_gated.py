@@ -827,3 +827,22 @@ def test_replay_is_not_taken_by_neg_views_zero_tensors_or_a_bias_of_another_alig
         for _ in range(2):
             assert_close_to_ref(tritonmm.gated_linear(x, wg, wu, shifted, bu), x, wg, wu, bg, bu)
         assert len(gated._launchers) == launchers + 1  # its own launcher, not the aligned bias's
+
+
+def test_jit_trace_of_a_fused_mlp_runs_with_and_without_autograd(monkeypatch):
+    """torch.jit.trace records one path for every run of the trace: a fused MLP's trace is the torch expression's,
+    which runs with or without autograd (the op's grad-mode flag would be a constant of the trace)."""
+    torch.manual_seed(0)
+    ref = MLP(hidden=32, inter=24)
+    fused = tritonmm.fuse(copy.deepcopy(ref))
+    x = randn(3, 32)
+    traced = torch.jit.trace(fused, (x,))
+    with torch.no_grad():
+        traced_no_grad = torch.jit.trace(fused, (x,))
+    for t in (traced, traced_no_grad):
+        xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        t(xg).sum().backward()
+        ref(xr).sum().backward()
+        torch.testing.assert_close(xg.grad, xr.grad)
+        with torch.no_grad():
+            torch.testing.assert_close(t(x), ref(x))

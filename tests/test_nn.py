@@ -145,3 +145,58 @@ def test_triton_linear_module_fuses_activation():
 def test_triton_linear_rejects_an_unknown_activation_when_built(activation):
     with pytest.raises(ValueError, match="activation"):
         tritonmm.TritonLinear(12, 6, activation=activation)
+
+
+def test_classes_with_an_init_subclass_of_their_own_are_not_swapped_or_fused():
+    """A class hook on subclassing may need arguments (a TypeError halfway through a model) or register the
+    swapped class: such modules stay as they are, the others are swapped or fused."""
+    registry = {}
+
+    class Registered(nn.Linear):
+        def __init_subclass__(cls, kind, **kw):
+            super().__init_subclass__(**kw)
+            registry[kind] = cls
+
+    class Mine(Registered, kind="mine"):
+        pass
+
+    class RegisteredMLP(nn.Module):
+        def __init_subclass__(cls, **kw):
+            super().__init_subclass__(**kw)
+            registry[cls.__name__] = cls
+
+    class MLP(RegisteredMLP):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):
+            down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return down_proj
+
+    model = nn.Sequential(nn.Linear(8, 8), Mine(8, 8), nn.Linear(8, 8), MLP())
+    before = dict(registry)
+    tritonmm.swap_linear(model)
+    tritonmm.fuse(model)
+    assert [type(m).__name__ for m in model] == ["TritonSwappedLinear", "Mine", "TritonSwappedLinear", "MLP"]
+    assert registry == before and not tritonmm.fusion.fusable(model[3])
+    x = randn(2, 8)
+    ref = nn.Sequential(*[m for m in model])
+    torch.testing.assert_close(model(x), ref(x))
+
+
+def test_unswap_after_a_parametrization_gives_the_original_class_under_it():
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    model = tritonmm.swap_linear(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)))
+    parametrizations.weight_norm(model[0])
+    x = randn(3, 8)
+    want = model(x)
+    tritonmm.unswap_linear(model)
+    assert type(model[0]).__name__ == "ParametrizedLinear" and type(model[0]).__bases__ == (nn.Linear,)
+    torch.testing.assert_close(model(x), want)
+    parametrize.remove_parametrizations(model[0], "weight")
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+    torch.testing.assert_close(model(x), want)

@@ -331,3 +331,37 @@ def test_replay_of_row_strided_weights_that_start_where_packed_ones_would():
     with torch.no_grad():
         for _ in range(3):
             assert_close_to_ref(tritonmm.gated_linear(x, w_gate, w_up), x, w_gate, w_up)
+
+
+def test_memory_torch_did_not_allocate_stays_where_it_is():
+    """A weight on numpy's memory (or DLPack's) has another owner that may write it: fuse does not move it."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    mlp = MLP(hidden=32, inter=24)
+    g = np.random.default_rng(0).standard_normal((24, 32)).astype(np.float32)
+    mlp.gate_proj.weight = nn.Parameter(torch.from_numpy(g))
+    tritonmm.fuse(mlp)
+    assert mlp.gate_proj.weight.data_ptr() == g.ctypes.data and not is_packed(mlp)
+    g[:] = 0  # the owner writes: the model sees it
+    x = randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), mlp.down_proj(mlp.act_fn(x @ mlp.gate_proj.weight.t()) * mlp.up_proj(x)))
+        assert not mlp(x).any() or mlp.down_proj.bias is not None
+
+
+def test_a_packed_model_casts_and_loads_with_swap_module_params_on_conversion():
+    """torch.utils.swap_tensors refuses tensors with weak references: none is kept on a packed parameter."""
+    torch.manual_seed(0)
+    sd = MLP(hidden=32, inter=24).state_dict()
+    mlp = tritonmm.fuse(MLP(hidden=32, inter=24))
+    assert is_packed(mlp)
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        mlp.load_state_dict(sd)
+        mlp.double()
+        tritonmm.unfuse(mlp)
+        mlp.float()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(was)
+    torch.testing.assert_close(mlp.state_dict(), {k: v.float() for k, v in sd.items()})

@@ -184,7 +184,7 @@ def test_a_projection_called_on_another_input_computes_its_own_and_the_attention
     assert type(attn) is Attention and qkv._UNSERVED not in attn.__dict__
 
 
-def test_hooks_on_the_projections_still_run():
+def test_hooks_on_the_projections_still_run(linear_calls):
     torch.manual_seed(0)
     ref, attn = Attention(), None
     attn = tritonmm.fuse(copy.deepcopy(ref))
@@ -196,6 +196,15 @@ def test_hooks_on_the_projections_still_run():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(seen[0], ref.k_proj(x), rtol=1e-12, atol=1e-12)
     assert qkv._UNSERVED not in attn.__dict__  # served
+    new_k = randn(16, 32, dtype=torch.float64)  # a hook replacing the weight's data: k computes its own
+    for a in (ref, attn):
+        a.k_proj.register_forward_pre_hook(lambda m, args: setattr(m.weight, "data", new_k.clone()))
+    with torch.no_grad():
+        linear_calls.clear()
+        got, want = attn(x), ref(x)
+    assert linear_calls[0] == ("packed", torch.Size([64, 32])) and new_k.shape in [getattr(c, "shape", None)
+                                                                                  for c in linear_calls]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_copies_pickles_moves_and_unfuse():

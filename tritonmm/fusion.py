@@ -50,7 +50,7 @@ from .gated_cublas import serves
 from .api import linear, torch_planned
 from .gated import gated_linear, torch_serves
 from .modes import PLAIN
-from .nn import _original_forward, _settled_forward, settle, settled_class
+from .nn import _original_forward, _settled_forward, settle, settled_class, subclassable
 from .plain_modules import MISSING as _MISSING
 from .plain_modules import MODULE_CALL as _MODULE_CALL
 from .plain_modules import any_hooked as _any_hooked
@@ -136,7 +136,7 @@ def fusable(module: nn.Module) -> bool:
     """Whether ``module`` has a pattern :func:`fuse` fuses (see the module docstring). An attention is fused
     only where ``fuse`` can pack its q, k and v weights (``pack=True``, weights :func:`tritonmm.qkv.pack`
     takes)."""
-    if "_tritonmm_fused_base" in type(module).__dict__:
+    if "_tritonmm_fused_base" in type(module).__dict__ or not subclassable(type(module)):
         return False
     return _gated_mlp(module) or _linear_activation_pairs(module) or qkv.fusable(module)
 
@@ -270,22 +270,25 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
             attention's q, k and v weights (and biases, where all three have one) in one allocation, in that
             order (:mod:`tritonmm.packing`: the same parameters, values and memory), so that calls that take
             cuBLAS projections (:data:`tritonmm.gated.PRODUCT_MIN_FLOPS`) run them as one GEMM. Weights that
-            cannot move (MLP biases, tensor subclasses, inference tensors, other tensors viewing them, CPU
-            weights outside Triton's interpreter) stay where they are. A later ``.to()`` that moves the
+            cannot move (MLP biases, tensor subclasses, inference tensors, other tensors viewing them, memory
+            torch did not allocate (numpy, DLPack, memory-mapped), CPU weights outside Triton's interpreter)
+            stay where they are. A later ``.to()`` that moves the
             parameters unpacks them: call ``fuse`` again to pack them. Packed weights share one storage, as do their gradients:
             safetensors' ``save_model`` / ``load_model`` refuse that, and plain ``pickle`` (not
             ``torch.save``) writes the whole storage for each; :func:`unfuse` first, or ``pack=False``.
 
-    The Linears stay nn.Linear modules: :func:`tritonmm.swap_linear` may route ``down_proj``
-    (and unfused layers) through tritonmm as well. Fused models pickle and deep-copy as fused models.
+    Modules whose class (or a base) defines an ``__init_subclass__`` of its own are left as they are (it may need
+    arguments, or register the fused class). The Linears stay nn.Linear modules: :func:`tritonmm.swap_linear` may
+    route ``down_proj`` (and unfused layers) through tritonmm as well. Fused models pickle and deep-copy as fused
+    models.
 
     Returns:
         The same ``model`` object.
     """
     for fqn, module in model.named_modules():
         kind = _kind(type(module))
-        new = kind is None and (_gated_mlp(module) or _linear_activation_pairs(module))
-        attention = pack and kind is None and not new and qkv.fusable(module)
+        new = kind is None and subclassable(type(module)) and (_gated_mlp(module) or _linear_activation_pairs(module))
+        attention = pack and kind is None and not new and subclassable(type(module)) and qkv.fusable(module)
         again = pack and kind in ("mlp", "attention")  # fused already: packed here if it is not
         if (new or attention or again) and (filter_fn is None or filter_fn(module, fqn)):
             if new:

@@ -420,8 +420,8 @@ def _gated_linear(input, w_gate, w_up, b_gate, b_up, activation):
         # (Dynamo reads a symbolic size as an int: only a bound provable without a guard takes the op)
         if input.dtype not in _KERNEL_DTYPES or not _known(input.numel() <= GATED_MAX_M * input.shape[-1]):
             return reference(*tensors, activation)  # traced: Inductor fuses the elementwise work
-    elif modes.torch_only(*tensors):
-        return reference(*tensors, activation)
+    elif modes.torch_only(*tensors) or routes._tracing_state() is not None:  # (jit tracing: the torch expression,
+        return reference(*tensors, activation)  # which every run of the trace can take, with or without autograd)
     if torch._C._is_any_autocast_enabled():
         tensors = _autocast(*tensors)
     if not (kernel_serves(tensors[0]) and kernel_shaped(*tensors)):

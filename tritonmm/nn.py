@@ -100,13 +100,17 @@ def _settled_reduce_ex(self, protocol):
     return type(self).__reduce_ex__(self, protocol)
 
 
+def subclassable(cls: type) -> bool:
+    """Whether tritonmm may make a subclass of ``cls`` (swapped, fused and settled classes): not where a class of
+    its MRO defines an ``__init_subclass__`` of its own (it may need arguments, or register subclasses)."""
+    return not any("__init_subclass__" in c.__dict__ for c in cls.__mro__[:-1])
+
+
 def _patched_settled_class(module) -> Optional[type]:
     """The settled class of a patched module's class, made on first use; None for lazy and parametrized
-    modules (they change their own class) and for classes with an ``__init_subclass__`` of their own (it
-    may need arguments, or register subclasses)."""
+    modules (they change their own class) and for classes that are not :func:`subclassable`."""
     cls = type(module)
-    if isinstance(module, LazyModuleMixin) or parametrize.is_parametrized(module) or any(
-            "__init_subclass__" in c.__dict__ for c in cls.__mro__[:-1]):
+    if isinstance(module, LazyModuleMixin) or parametrize.is_parametrized(module) or not subclassable(cls):
         _never_settle.add(cls)  # (each a fact of the class: lazy and parametrized modules change their class)
         return None
     with _settled_lock:
@@ -155,10 +159,12 @@ def _derived(cls, settled: type) -> bool:
     return isinstance(cls, type) and cls.__bases__ == (settled,)
 
 
-def _rebased(cls: type, unsettled: type) -> type:
-    """``cls`` (made on a settled class) made again on ``unsettled``, with the same namespace."""
+def _rebased(cls: type, unsettled: type, renamed: tuple = ("", "")) -> type:
+    """``cls`` (made on a settled class) made again on ``unsettled``, with the same namespace (and name, but for
+    ``renamed``: (old, new) part of it)."""
     namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
-    return type(cls)(cls.__name__, (unsettled,), {**namespace, "__qualname__": cls.__qualname__})
+    name, qualname = (n.replace(*renamed) if renamed[0] else n for n in (cls.__name__, cls.__qualname__))
+    return type(cls)(name, (unsettled,), {**namespace, "__qualname__": qualname})
 
 
 def _swapped_forward(self, input):
@@ -250,7 +256,8 @@ def swap_linear(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str],
         model: any module tree.
         filter_fn: ``(module, fully_qualified_name) -> bool``, asked for each nn.Linear that uses
             nn.Linear's own forward (subclasses with a forward of their own are never swapped, nor
-            are lazy or parametrized modules, which change their own class); default: all of them.
+            are lazy or parametrized modules, which change their own class, nor classes with an
+            ``__init_subclass__`` of their own); default: all of them.
 
     Swapped models pickle (``torch.save(model)``) and deep-copy as swapped models.
 
@@ -263,24 +270,31 @@ def swap_linear(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str],
         cls = type(module)
         if not isinstance(module, nn.Linear) or isinstance(module, TritonLinear) or "_tritonmm_base" in cls.__dict__:
             continue
-        if isinstance(module, LazyModuleMixin) or parametrize.is_parametrized(module):
-            continue  # these replace their own class (on first call / on removal): a swap would be lost or break
+        if isinstance(module, LazyModuleMixin) or parametrize.is_parametrized(module) or not subclassable(cls):
+            continue  # these replace their own class (on first call / on removal): a swap would be lost or break;
+            # (or their class's __init_subclass__ may need arguments or register the swapped class)
         if _runs_linear_forward(module) and (filter_fn is None or filter_fn(module, fqn)):
             module.__class__ = _swapped_class(cls)
     return model
 
 
 def unswap_linear(model: nn.Module) -> nn.Module:
-    """Undo :func:`swap_linear`: every swapped module gets its original class back, in place.
+    """Undo :func:`swap_linear`: every swapped module gets its original class back, in place (a module parametrized
+    since, whose class torch's parametrizations made on the swapped one, a class made the same way on the original).
 
     Returns:
         The same ``model`` object.
     """
     for module in model.modules():
-        base = type(module).__dict__.get("_tritonmm_base")
+        cls = type(module)
+        base = cls.__dict__.get("_tritonmm_base")
         if base is not None:
             module.__class__ = base
             _settled.discard(module)
+        elif len(cls.__bases__) == 1 and "_tritonmm_base" in cls.__bases__[0].__dict__:
+            swapped = cls.__bases__[0]
+            base = swapped.__dict__["_tritonmm_base"]
+            module.__class__ = _rebased(cls, base, (swapped.__name__, base.__name__))
     return model
 
 

@@ -16,10 +16,9 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-_moved = WeakIdKeyDictionary()  # first weights :func:`pack` moved (:func:`unpack` undoes those), by identity
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # (no weak reference to a parameter is kept here:
+# torch.utils.swap_tensors, which .to() and load_state_dict use under swap_module_params_on_conversion, refuses one)
 
 
 def stacked(tensors) -> Optional[torch.Tensor]:
@@ -43,10 +42,12 @@ def stacked(tensors) -> Optional[torch.Tensor]:
 
 
 def _sole_owner(p: torch.Tensor) -> bool:
-    """Whether ``p`` is the whole of its storage and, where torch can tell, the only tensor on it (a view
-    of it elsewhere would stop seeing its values once it moved)."""
+    """Whether ``p`` is the whole of its storage, allocated by torch, and, where torch can tell, the only tensor on
+    it (a view of it elsewhere would stop seeing its values once it moved). Memory torch did not allocate (numpy's
+    through ``torch.from_numpy``, DLPack's, a memory-mapped file's: storages torch cannot resize) has another owner
+    that may write it."""
     storage = p.untyped_storage()
-    if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
+    if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size() or not storage.resizable():
         return False
     return _use_count is None or _use_count(storage._cdata) <= 2  # the tensor's reference and ``storage``'s
 
@@ -104,28 +105,26 @@ def pack(*modules: nn.Module, accept: Callable[[torch.Tensor], bool], biases: bo
                 whole[start:start + p.shape[0]].copy_(p)
                 p.data = whole[start:start + p.shape[0]]
                 start += p.shape[0]
-    _moved[weights[0]] = True
     return True
 
 
 def unpack(*modules: nn.Module) -> bool:
-    """Give packed weights (and packed biases) their own storage again (copies of their current values): those
-    :func:`pack` moved, and groups whose storage holds exactly those weights (as a packed model's does after
-    ``torch.save`` and ``torch.load``); returns whether it did."""
+    """Give packed weights (and packed biases) their own storage again (copies of their current values): groups
+    whose storage holds exactly those weights, as :func:`pack` leaves them (and a packed model after ``torch.save``
+    and ``torch.load``); returns whether it did."""
     weights, bs = _params(modules, "weight"), _params(modules, "bias")
     if any(w is None for w in weights) or stacked(weights) is None:
         return False
     first = weights[0]
     exact = first.storage_offset() == 0 and \
         first.untyped_storage().nbytes() == sum(w.numel() for w in weights) * first.element_size()
-    if first not in _moved and not exact:
+    if not exact:
         return False
     with torch.inference_mode(False), torch.no_grad():
         for ps in (weights, bs):
             if all(p is not None for p in ps) and stacked(ps) is not None:
                 for p in ps:
                     p.data = p.data.clone()
-    _moved.pop(first, None)
     return True
 
 

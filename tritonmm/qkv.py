@@ -11,8 +11,10 @@ to the last, as transformers' Llama, Mistral, Qwen2 and Qwen3 attentions do. The
 still runs (its class's current one), and so does each projection's ``__call__`` with its hooks: for the
 duration of one forward, the first projection called with the forward's input runs the one GEMM on that
 input as it is then, and each projection called with that same tensor object, not changed in place since and
-with its own weight and bias unchanged since, returns its slice of the GEMM's output: a column slice of one
-tensor, as ``torch.split`` returns (so a ``.view`` that merges rows with columns needs ``.reshape``).
+with its own weight and bias unchanged since (the same tensors, at the same address, of the same version: a
+change through ``.data`` in place, which autograd does not see either, is not seen), returns its slice of the
+GEMM's output: a column slice of one tensor, as ``torch.split`` returns (so a ``.view`` that merges rows with
+columns needs ``.reshape``).
 Gradients are not recorded then, and the projection's parameters are still the ones the GEMM read. Any other
 call computes its own output, and so do calls above :data:`MAX_FLOPS`. Calls with gradients recorded,
 autocast on, under torch.compile, tracing, a torch function or dispatch mode or a functorch transform, on a
@@ -184,12 +186,12 @@ class _Shared:
     """One attention forward's GEMM: run by the first projection called with ``x`` (lazily, so it reads ``x``
     as it is then), its outputs and the versions of what it read."""
 
-    __slots__ = ("x", "w", "b", "sizes", "params", "outs", "version", "versions")
+    __slots__ = ("x", "w", "b", "sizes", "params", "outs", "version", "versions", "ptrs")
 
     def __init__(self, x, packed):
         self.x = x
         self.w, self.b, self.sizes, self.params = packed
-        self.outs = self.version = self.versions = None
+        self.outs = self.version = self.versions = self.ptrs = None
 
     def run(self) -> None:
         """The GEMM; ``outs`` is set last (another thread may read the attributes as soon as it is set), to
@@ -197,12 +199,13 @@ class _Shared:
         x = self.x
         try:
             versions = tuple(p._version if p is not None else 0 for p in self.params)
+            ptrs = tuple(p.data_ptr() if p is not None else 0 for p in self.params)  # (``.data =`` keeps _version)
             version = x._version
             outs = _F_linear(x, self.w, self.b).split_with_sizes(self.sizes, -1)
         except RuntimeError:  # dtypes, devices or sizes differ (each projection raises torch's own error), or an
             outs = ()  # inference-tensor parameter (no version counter)
         else:
-            self.version, self.versions = version, versions
+            self.version, self.versions, self.ptrs = version, versions, ptrs
         self.outs = outs
 
 
@@ -228,7 +231,8 @@ class _Server:
                     w, b = sh.params[i], sh.params[i + 3]
                     p = self.module._parameters
                     if p.get("weight") is w and p.get("bias") is b and w._version == sh.versions[i] \
-                            and (b is None or b._version == sh.versions[i + 3]):
+                            and w.data_ptr() == sh.ptrs[i] and (b is None or b._version == sh.versions[i + 3]
+                                                                and b.data_ptr() == sh.ptrs[i + 3]):
                         self.served = True
                         return outs[i]
         return type(self.module).forward(self.module, input, *args, **kwargs)
