@@ -42,8 +42,9 @@ def kernel_shaped(x, w_gate, w_up, b_gate, b_up) -> bool:
 
 
 def autocast(x: Tensor, w_gate, w_up, b_gate, b_up):
-    """The operands as F.linear casts them under ``torch.autocast`` (weight casts reused within the region; packed
-    weights cast as one tensor, whose halves stay packed, in eager calls: tracing cannot read where they lie)."""
+    """The operands as F.linear casts them under ``torch.autocast``, cast on each call (:func:`routes._cast`: torch's
+    autocast reuses a leaf's cast within a region); packed weights cast as one tensor, whose halves stay packed, in
+    eager calls (tracing cannot read where they lie)."""
     dtype = routes._autocast_dtype(x)
     if dtype is None:
         return x, w_gate, w_up, b_gate, b_up
