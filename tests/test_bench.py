@@ -162,7 +162,6 @@ def test_markdown_inductor_columns_and_bad_json(tmp_path, capsys):
     bad.write_text(json.dumps({"floor": []}))
     assert bench.main(["--from-json", str(bad)]) == 2
     assert "not a --json run" in capsys.readouterr().err
-
     for text in ("{not json", "", "[" * 100000, '{"rows": [{}]}', '{"rows": [1, 2]}', '{"phases": [1]}',
                  '{"rows": [{"tokens": 1}]}'):  # errors of the file, never a traceback
         bad.write_text(text)
@@ -410,3 +409,14 @@ def test_readme_names_only_files_that_exist():
     assert "benchmarks/h200_model.json" in named
     missing = sorted(n for n in named if not (root / n).exists())
     assert not missing, missing
+
+
+def test_model_report_without_per_call_rows_prints_no_per_call_section(capsys):
+    from tritonmm.bench import model
+
+    model.print_report({"phases": [], "per_call": []})
+    assert "per call" not in capsys.readouterr().out
+    model.print_report({"phases": [], "per_call": [{"row": "F.linear, grad", "torch": "F.linear", "torch_us": 1.0,
+                                                    "tritonmm": "tritonmm.linear", "tritonmm_us": 1.5, "over_us": 0.5,
+                                                    "ratio": 2 / 3}]})
+    assert "per call" in capsys.readouterr().out

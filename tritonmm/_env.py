@@ -45,7 +45,8 @@ def interpreting() -> bool:
         return True
     if value in _TRITON_OFF:
         return False
-    raise ValueError(f"environment variable TRITON_INTERPRET={raw!r} is not 0 or 1")
+    raise ValueError(f"environment variable TRITON_INTERPRET={raw!r} is not one of {_TRITON_ON} (on) or "
+                     f"{_TRITON_OFF} (off)")
 
 
 def switch(name: str) -> bool:

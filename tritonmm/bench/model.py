@@ -303,6 +303,8 @@ def print_report(result: dict) -> None:
     print(_HEADER)
     for r in result["phases"]:
         print(_line(r))
+    if not result["per_call"]:
+        return
     print("\nper call (µs): torch call, tritonmm call (medians over rounds), cost over torch (median over pairs of "
           "rounds in opposite orders of the difference), ratio torch / (torch + cost)")
     for r in result["per_call"]:
