@@ -200,3 +200,14 @@ def test_unswap_after_a_parametrization_gives_the_original_class_under_it():
     parametrize.remove_parametrizations(model[0], "weight")
     assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
     torch.testing.assert_close(model(x), want)
+
+
+def test_unswap_leaves_a_user_subclass_of_a_swapped_class_alone():
+    swapped = type(tritonmm.swap_linear(nn.Linear(4, 4)))
+
+    class Mine(swapped):
+        pass
+
+    model = nn.Sequential(Mine(4, 4))
+    tritonmm.unswap_linear(model)
+    assert type(model[0]) is Mine

@@ -236,6 +236,9 @@ def test_redecide_rewrites_entries_from_stored_measurements(tmp_path, capsys):
     assert all(e["backend"] == "torch" for e in json.loads(path.read_text())["entries"].values())
     assert main(["--redecide", "--out", str(tmp_path)]) == 2  # a directory is not a table
     assert main(["--redecide", "--out", str(tmp_path / "missing.json")]) == 2
+    (tmp_path / "afile").write_text("")
+    for out in (tmp_path / "typo" / "dir" / "t.json", tmp_path / "afile" / "t.json"):  # nothing made, a message
+        assert main(["--redecide", "--out", str(out)]) == 2 and not (tmp_path / "typo").exists()
     written = path.read_text()
     one = {**measured[0], "M": 300}  # a key of its own
     bad = [{**one, "configs": [{**one["configs"][0], "config": {**one["configs"][0]["config"], "BLOCK_M": 48}}]},

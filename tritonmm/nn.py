@@ -291,7 +291,8 @@ def unswap_linear(model: nn.Module) -> nn.Module:
         if base is not None:
             module.__class__ = base
             _settled.discard(module)
-        elif len(cls.__bases__) == 1 and "_tritonmm_base" in cls.__bases__[0].__dict__:
+        elif parametrize.is_parametrized(module) and len(cls.__bases__) == 1 \
+                and "_tritonmm_base" in cls.__bases__[0].__dict__:
             swapped = cls.__bases__[0]
             base = swapped.__dict__["_tritonmm_base"]
             module.__class__ = _rebased(cls, base, (swapped.__name__, base.__name__))

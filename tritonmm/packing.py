@@ -45,7 +45,8 @@ def _sole_owner(p: torch.Tensor) -> bool:
     """Whether ``p`` is the whole of its storage, allocated by torch, and, where torch can tell, the only tensor on
     it (a view of it elsewhere would stop seeing its values once it moved). Memory torch did not allocate (numpy's
     through ``torch.from_numpy``, DLPack's, a memory-mapped file's: storages torch cannot resize) has another owner
-    that may write it."""
+    that may write it. (On the CPU, where weights move only under Triton's interpreter, ``torch.load`` also gives
+    storages torch cannot resize.)"""
     storage = p.untyped_storage()
     if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size() or not storage.resizable():
         return False

@@ -198,6 +198,9 @@ def redecide(path: pathlib.Path, min_gain: float, min_gain_us: float) -> int:
     """Rewrite the entries of the table at ``path`` from its stored measurements (no GPU needed)."""
     from . import tuned
 
+    if not path.is_file():
+        print(f"{path}: no readable table with stored measurements", file=sys.stderr)
+        return 2
     with tuned.locked(path):  # (first-sight tuning in other processes merges into the same table)
         table = tuned.read_table(path) if path.is_file() else None
         if not table or not isinstance(table.get("measurements"), list) or not table["measurements"]:

@@ -41,14 +41,15 @@ def cpu_check() -> int:
                     if what.startswith("matmul"):
                         a, b = randn(97, 71, dtype=dtype), randn(71, 83, dtype=dtype)
                         rep = error_report(tritonmm.matmul(a, b), a, b)
-                        ran = tritonmm.explain(a, b)  # the path taken (the interpreter's, or torch's on the CPU)
-                        rep["ok"] = rep["ok"] and (ran.backend, ran.kernel) == (force[0], force[1])
                     else:
                         x, w, bias = randn(45, 53, dtype=dtype), randn(61, 53, dtype=dtype), randn(61, dtype=dtype)
                         rep = error_report(
                             tritonmm.linear(x, w, bias, "gelu"), x, w,
                             ref_fn=lambda x_, w_: F.gelu(F.linear(x_, w_, bias.double())),
                             torch_fn=lambda x_, w_: F.gelu(F.linear(x_, w_, bias)), contract=F.linear)
+                        a, b = x, w.t()
+                    ran = tritonmm.explain(a, b)  # the path taken (the interpreter's, or torch's on the CPU)
+                    rep["ok"] = rep["ok"] and (ran.backend, ran.kernel) == (force[0], force[1])
                 failures += not rep["ok"]
                 print(f"{str(dtype)[6:]:9} {kernel:10} {what:24} {rep['tri_err']:>10.2e} {rep['bound']:>10.2e}  "
                       f"{'ok' if rep['ok'] else 'FAIL'}")

@@ -169,40 +169,18 @@ def from_json(args) -> int:
     Returns 2, with a message, for a file that is not a ``--json`` run of this tool.
     """
     try:
-        return _render(args, json.loads(args.from_json.read_text()))
+        data = json.loads(args.from_json.read_text())
+        suite = _render(args, data)
     except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as exc:
+        suite = exc
+    if suite is None or isinstance(suite, Exception):
+        why = f"{type(suite).__name__}: {suite}" if suite is not None else "no 'rows' list"
         print(f"python -m tritonmm.bench: error: {args.from_json} is not a --json run of python -m tritonmm.bench "
-              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+              f"({why})", file=sys.stderr)
         return 2
-
-
-def _render(args, data) -> int:
-    if isinstance(data, dict) and isinstance(data.get("phases"), list):  # a --model run
-        from .model import markdown as model_markdown
-        from .model import print_report
-
-        print(model_markdown(data) if args.markdown else "", end="\n" if args.markdown else "")
-        if not args.markdown:
-            print_report(data)
+    if suite is True:  # a --model or --mlp run, printed
         return 0
-    if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and "tokens" in data["rows"][0]:
-        from . import mlp  # a --mlp run
-
-        if args.markdown:
-            print(mlp.markdown(data["rows"]))
-        else:
-            mlp.print_report(data["rows"])
-        return 0
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-        print(f"python -m tritonmm.bench: error: {args.from_json} is not a --json run of python -m tritonmm.bench "
-              "(no 'rows' list)", file=sys.stderr)
-        return 2
-    rows = data["rows"]
-    machine = data.get("machine") or next((r.get("machine") for r in data.get("runs", []) if r.get("machine")), {})
-    if args.markdown:
-        print(markdown(rows, summarize(rows), machine))
-    else:
-        print_table(rows, summarize(rows))
+    rows, machine = suite  # a suite run: its table printed, then what the options write
     if args.csv:
         write_csv(rows, args.csv)
     if args.plot:
@@ -211,3 +189,32 @@ def _render(args, data) -> int:
                               f"{m.get('date', '')[:10]}")
         print(f"wrote {args.plot}")
     return 0
+
+
+def _render(args, data):
+    """Print the run ``data``: True for a --model or --mlp run, (rows, machine) for a suite run, None for neither."""
+    if isinstance(data, dict) and isinstance(data.get("phases"), list):  # a --model run
+        from .model import markdown as model_markdown
+        from .model import print_report
+
+        print(model_markdown(data) if args.markdown else "", end="\n" if args.markdown else "")
+        if not args.markdown:
+            print_report(data)
+        return True
+    if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and "tokens" in data["rows"][0]:
+        from . import mlp  # a --mlp run
+
+        if args.markdown:
+            print(mlp.markdown(data["rows"]))
+        else:
+            mlp.print_report(data["rows"])
+        return True
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        return None
+    rows = data["rows"]
+    machine = data.get("machine") or next((r.get("machine") for r in data.get("runs", []) if r.get("machine")), {})
+    if args.markdown:
+        print(markdown(rows, summarize(rows), machine))
+    else:
+        print_table(rows, summarize(rows))
+    return rows, machine
