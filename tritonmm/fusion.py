@@ -272,10 +272,10 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
             cuBLAS projections (:data:`tritonmm.gated.PRODUCT_MIN_FLOPS`) run them as one GEMM. Weights that
             cannot move (MLP biases, tensor subclasses, inference tensors, other tensors viewing them, memory
             torch did not allocate (numpy, DLPack, memory-mapped), CPU weights outside Triton's interpreter)
-            stay where they are. A later ``.to()`` that moves the
-            parameters unpacks them: call ``fuse`` again to pack them. Packed weights share one storage, as do their gradients:
-            safetensors' ``save_model`` / ``load_model`` refuse that, and plain ``pickle`` (not
-            ``torch.save``) writes the whole storage for each; :func:`unfuse` first, or ``pack=False``.
+            stay where they are. A later ``.to()`` that moves the parameters unpacks them: call ``fuse`` again
+            to pack them. Packed weights share one storage, as do their gradients: safetensors' ``save_model`` /
+            ``load_model`` refuse that, and plain ``pickle`` (not ``torch.save``) writes the whole storage for
+            each; :func:`unfuse` first, or ``pack=False``.
 
     Modules whose class (or a base) defines an ``__init_subclass__`` of its own are left as they are (it may need
     arguments, or register the fused class). The Linears stay nn.Linear modules: :func:`tritonmm.swap_linear` may
@@ -287,8 +287,9 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
     """
     for fqn, module in model.named_modules():
         kind = _kind(type(module))
-        new = kind is None and subclassable(type(module)) and (_gated_mlp(module) or _linear_activation_pairs(module))
-        attention = pack and kind is None and not new and subclassable(type(module)) and qkv.fusable(module)
+        unfused = kind is None and subclassable(type(module))
+        new = unfused and (_gated_mlp(module) or _linear_activation_pairs(module))
+        attention = pack and unfused and not new and qkv.fusable(module)
         again = pack and kind in ("mlp", "attention")  # fused already: packed here if it is not
         if (new or attention or again) and (filter_fn is None or filter_fn(module, fqn)):
             if new:

@@ -14,12 +14,12 @@ output dtype, as F.linear's outputs are); the backward uses them (no recomputati
 computes both projections' gradients from them, and its four GEMMs run on cuBLAS, the input's
 gradient as one addmm. A backward with ``create_graph=True`` (double backward) differentiates the
 torch expression, recomputed. Under ``torch.autocast`` the inputs are cast as F.linear casts them, on each
-call (the weights too: torch's autocast reuses a leaf's cast within a region). Plain eager calls launch the kernel directly; other modes
-(``torch.compile``, ``torch.export``, tensor subclasses) go through the ``tritonmm::gated_linear``
-op (under ``torch.compile`` for sizes known at trace time to be at most ``GATED_MAX_M`` rows; other
-traced calls record the torch expression, which Inductor fuses, without a guard on their size);
-functorch transforms, float64, devices other than CUDA (or the interpreter's CPU) and empty problems are
-served by the torch expression itself.
+call (the weights too: torch's autocast reuses a leaf's cast within a region). Plain eager calls launch the
+kernel directly; other modes (``torch.compile``, ``torch.export``, tensor subclasses) go through the
+``tritonmm::gated_linear`` op (under ``torch.compile`` for sizes known at trace time to be at most
+``GATED_MAX_M`` rows; other traced calls record the torch expression, which Inductor fuses, without a guard on
+their size); functorch transforms, jit tracing, float64, devices other than CUDA (or the interpreter's CPU) and
+empty problems are served by the torch expression itself.
 """
 
 from __future__ import annotations

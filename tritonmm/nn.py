@@ -163,7 +163,7 @@ def _rebased(cls: type, unsettled: type, renamed: tuple = ("", "")) -> type:
     """``cls`` (made on a settled class) made again on ``unsettled``, with the same namespace (and name, but for
     ``renamed``: (old, new) part of it)."""
     namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
-    name, qualname = (n.replace(*renamed) if renamed[0] else n for n in (cls.__name__, cls.__qualname__))
+    name, qualname = (n.replace(*renamed) for n in (cls.__name__, cls.__qualname__))
     return type(cls)(name, (unsettled,), {**namespace, "__qualname__": qualname})
 
 

@@ -198,14 +198,16 @@ def redecide(path: pathlib.Path, min_gain: float, min_gain_us: float) -> int:
     """Rewrite the entries of the table at ``path`` from its stored measurements (no GPU needed)."""
     from . import tuned
 
-    if not path.is_file():
+    def unreadable() -> int:
         print(f"{path}: no readable table with stored measurements", file=sys.stderr)
         return 2
+
+    if not path.is_file():  # (before the lock, which would make its directory)
+        return unreadable()
     with tuned.locked(path):  # (first-sight tuning in other processes merges into the same table)
-        table = tuned.read_table(path) if path.is_file() else None
+        table = tuned.read_table(path)
         if not table or not isinstance(table.get("measurements"), list) or not table["measurements"]:
-            print(f"{path}: no readable table with stored measurements", file=sys.stderr)
-            return 2
+            return unreadable()
         try:  # measurements as measure_shape writes them, deciding entries the table's reader takes
             entries = decide_entries(table["measurements"], min_gain, min_gain_us)
             for key, entry in entries.items():

@@ -169,16 +169,12 @@ def from_json(args) -> int:
     Returns 2, with a message, for a file that is not a ``--json`` run of this tool.
     """
     try:
-        data = json.loads(args.from_json.read_text())
-        suite = _render(args, data)
+        suite = _render(args, json.loads(args.from_json.read_text()))
     except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as exc:
-        suite = exc
-    if suite is None or isinstance(suite, Exception):
-        why = f"{type(suite).__name__}: {suite}" if suite is not None else "no 'rows' list"
         print(f"python -m tritonmm.bench: error: {args.from_json} is not a --json run of python -m tritonmm.bench "
-              f"({why})", file=sys.stderr)
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
-    if suite is True:  # a --model or --mlp run, printed
+    if suite is None:  # a --model or --mlp run, printed
         return 0
     rows, machine = suite  # a suite run: its table printed, then what the options write
     if args.csv:
@@ -192,7 +188,11 @@ def from_json(args) -> int:
 
 
 def _render(args, data):
-    """Print the run ``data``: True for a --model or --mlp run, (rows, machine) for a suite run, None for neither."""
+    """Print the run ``data``: None for a --model or --mlp run, (rows, machine) for a suite run.
+
+    Raises:
+        ValueError: ``data`` is neither.
+    """
     if isinstance(data, dict) and isinstance(data.get("phases"), list):  # a --model run
         from .model import markdown as model_markdown
         from .model import print_report
@@ -200,7 +200,7 @@ def _render(args, data):
         print(model_markdown(data) if args.markdown else "", end="\n" if args.markdown else "")
         if not args.markdown:
             print_report(data)
-        return True
+        return None
     if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and "tokens" in data["rows"][0]:
         from . import mlp  # a --mlp run
 
@@ -208,9 +208,9 @@ def _render(args, data):
             print(mlp.markdown(data["rows"]))
         else:
             mlp.print_report(data["rows"])
-        return True
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         return None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError("no 'rows' list")
     rows = data["rows"]
     machine = data.get("machine") or next((r.get("machine") for r in data.get("runs", []) if r.get("machine")), {})
     if args.markdown:

@@ -64,9 +64,9 @@ def _candidates_file() -> dict[str, Any]:
                     and isinstance(table.get("configs"), list) and table["configs"]
                     and all(isinstance(r, list) and len(r) == len(table["fields"]) for r in table["configs"])):
                 raise ValueError(f"{kernel}: not a non-empty 'fields' list and 'configs' rows of as many values")
+            fields, optional = set(table["fields"]), set(OPTIONAL.get(kernel, ()))
             for config in [dict(zip(table["fields"], r)) for r in table["configs"]] + [data["interpreter"].get(kernel)]:
-                if not isinstance(config, dict) or set(config) != set(table["fields"]) - (
-                        set(OPTIONAL.get(kernel, ())) - set(config)):
+                if not isinstance(config, dict) or not fields - optional <= set(config) <= fields:  # (as validate's)
                     raise ValueError(f"{kernel}: config {config!r} does not have the fields {table['fields']}")
                 check_fields(kernel, config)
                 check_launchable(kernel, config)
