@@ -301,3 +301,73 @@ def test_tune_model_measures_a_fused_mlps_decode_geometry_once(tmp_path, monkeyp
         torch.testing.assert_close(mlp.down_proj.weight.double() @ want[0].t(), mlp(x)[0].double().t(),
                                    rtol=3e-2, atol=3e-2)
     tritonmm.clear_cache()
+
+
+def _packed_operands(M, N, K):
+    x = randn(M, K, dtype=BF16, device="cuda")
+    w = (randn(2 * N, K, device="cuda") / K**0.5).to(BF16)
+    return x, w, w[:N], w[N:]
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["h", "save"])
+def test_packed_kernel_every_candidate_config(save):
+    """The gated GEMM on packed weights with each candidate config: every config pruning keeps runs, H is within
+    the torch expression's error, [G | U] equals the cuBLAS GEMM's within bf16 rounding."""
+    from tritonmm.kernels import packed_launchers as pl
+
+    M, N, K = 300, 712, 1032
+    x, w, wg, wu = _packed_operands(M, N, K)
+    kept = pl.prune(list(pl._candidates()), M, N, K, 2, False, save, tritonmm.device.smem_limit(x.device),
+                    tritonmm.device.num_sms(x.device), keep=100)
+    assert kept
+    for cfg in kept:
+        h = torch.full((M, N), float("nan"), dtype=BF16, device="cuda")
+        gu = torch.full((M, 2 * N), float("nan"), dtype=BF16, device="cuda") if save else None
+        pl.packed_launcher(M, N, K, K, K, BF16, x.device, save, "silu", config=cfg)(x, w, h, gu)
+        _check(h, x, wg, wu)
+        if save:
+            torch.testing.assert_close(gu, torch.nn.functional.linear(x, w), rtol=2e-2, atol=2e-2)
+
+
+def test_packed_backward_kernel_every_candidate_config():
+    from tritonmm.kernels import packed_launchers as pl
+
+    M, N, K = 300, 712, 1032
+    gu = randn(M, 2 * N, dtype=BF16, device="cuda")
+    dy, wd = randn(M, K, dtype=BF16, device="cuda"), (randn(K, N, device="cuda") / N**0.5).to(BF16)
+    g, u = gu[:, :N].double().requires_grad_(), gu[:, N:].double().requires_grad_()
+    dg, du = torch.autograd.grad(torch.nn.functional.silu(g) * u, (g, u), dy.double() @ wd.double())
+    kept = pl.prune(list(pl._candidates()), M, N, K, 2, True, False, tritonmm.device.smem_limit(dy.device),
+                    tritonmm.device.num_sms(dy.device), keep=100)
+    assert kept
+    for cfg in kept:
+        dgu = torch.full((M, 2 * N), float("nan"), dtype=BF16, device="cuda")
+        pl.packed_backward_launcher(M, N, K, K, N, BF16, dy.device, "silu", config=cfg)(dy, wd, gu, dgu)
+        assert not dgu.isnan().any()
+        tol = 0.05 * max(dg.abs().max().item(), du.abs().max().item())
+        torch.testing.assert_close(dgu[:, :N].double(), dg, rtol=0, atol=tol)
+        torch.testing.assert_close(dgu[:, N:].double(), du, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("M", [4096, 16384])
+def test_fused_mlp_inference_takes_the_packed_kernel(M):
+    """A fused Llama-3-8B-sized MLP's inference forward at prefill sizes runs the packed kernel (autotuned on
+    first use) and matches the unfused module within the torch expression's own error."""
+    from tritonmm import gated_cublas
+
+    gated.clear_cache()
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336)).to(BF16)
+    fused = tritonmm.fuse(copy.deepcopy(mlp))
+    x = randn(M, 4096, dtype=BF16, device="cuda")
+    with torch.no_grad():
+        out = fused(x)
+        ref = mlp(x)
+        ref64 = copy.deepcopy(mlp).double()(x.double())
+    assert any(k[0] == M for k in gated_cublas._packed_launchers)
+    err, torch_err = (out.double() - ref64).abs().max().item(), (ref.double() - ref64).abs().max().item()
+    assert err <= 2 * torch_err + EPS[BF16] * ref64.abs().max().item(), (err, torch_err)

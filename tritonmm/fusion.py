@@ -164,12 +164,18 @@ def _kernel_dtype_device(x) -> bool:
         return False
 
 
+def _unbiased_weight(up):
+    """The up projection's weight where it has no bias (the packed kernel's case), else None."""
+    return _param(up, "weight", None) if _param(up, "bias", None) is None else None
+
+
 def _fused_forward(self, x):
     mods = self._modules
     gate, up, act, down = mods.get("gate_proj"), mods.get("up_proj"), mods.get("act_fn"), mods.get("down_proj")
     if type(x) is not _Proxy and gate is not None and up is not None and down is not None:  # (fx records modules)
         compiling = _is_compiling()
-        if not compiling and (torch_serves(x, _param(gate, "weight", None)) or not _kernel_dtype_device(x)):
+        if not compiling and (torch_serves(x, _param(gate, "weight", None), _unbiased_weight(up))
+                              or not _kernel_dtype_device(x)):
             # the recognised forward on the modules already looked up (self.<name> costs a Module.__getattr__ each):
             # the torch expression serves the call (rows, FLOP), or no gated kernel takes x's dtype and device
             return down(act(gate(x)) * up(x)) if act is not None else down(self.act_fn(gate(x)) * up(x))

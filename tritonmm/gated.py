@@ -115,7 +115,8 @@ def forward(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate, b_up, activation: s
     N, K = w_gate.shape
     lead = x.shape[:-1]
     M = lead.numel()
-    if kernel is None and not kernel_rows(M, N, K, save):
+    if kernel is None and (not kernel_rows(M, N, K, save) or M > GATED_MAX_M and b_gate is None
+                           and gated_cublas.packed_takes(x, w_gate, w_up, save)):
         return gated_cublas.forward(x, w_gate, w_up, b_gate, b_up, activation, save, pack)
     x2 = _unit_last(x.reshape(-1, K))
     w_gate, w_up = _unit_last(w_gate), _unit_last(w_up)
@@ -330,7 +331,7 @@ def _fast_eligible(x, wg, wu, bg, bu) -> bool:
     """Whether a call whose key was taken can be replayed by a bound launch: plain tensors the kernel
     serves, unit column strides, no pending negation or zero tensor."""
     tensors = (x, wg, wu, bg, bu)
-    return (kernel_serves(x) and kernel_shaped(*tensors) and not _below_product_flops(x, wg, False)
+    return (kernel_serves(x) and kernel_shaped(*tensors) and not _below_product_flops(x, wg, False, wu, bg)
             and modes.plain(*tensors) and modes.eager() and not modes.torch_only(*tensors) and wg.stride(-1) == 1
             and wu.stride(-1) == 1)
 
@@ -339,7 +340,8 @@ def _remember(key, x, wg, wu, bg, bu, activation) -> None:
     """Bind the geometry's launcher (built by the call just served) into a replay of that call."""
     N, K = wg.shape
     lead, M = x.shape[:-1], x.numel() // K if K else 0
-    product = not kernel_rows(M, N, K, False)  # (replays serve calls without autograd)
+    product = not kernel_rows(M, N, K, False) or M > GATED_MAX_M and bg is None \
+        and gated_cublas.packed_takes(x, wg, wu, False)  # (replays serve calls without autograd)
     if product and bg is None and bu is None and wg.is_contiguous() and wu.is_contiguous():
         # (the key fixes the weights' strides) one GEMM where packed, one bound product launch
         run = gated_cublas.replay(x, wg, activation)
@@ -391,23 +393,26 @@ def kernel_rows(M: int, N: int, K: int, grad: bool) -> bool:
     return M <= GATED_MAX_M or not grad and 2 * M * N * K <= KERNEL_MAX_FLOPS_NO_GRAD
 
 
-def _below_product_flops(x, w_gate, grad: bool) -> bool:
+def _below_product_flops(x, w_gate, grad: bool, w_up=None, b_gate=None) -> bool:
     """More than :data:`GATED_MAX_M` rows, under :data:`PRODUCT_MIN_FLOPS` per projection for a call with autograd
-    (``grad``), under :data:`PRODUCT_MIN_FLOPS_NO_GRAD` for one without, and not :func:`kernel_rows` (static
-    sizes): the torch expression's calls."""
+    (``grad``), under :data:`PRODUCT_MIN_FLOPS_NO_GRAD` for one without, not :func:`kernel_rows` (static sizes) and
+    not a call the gated GEMM on packed weights takes (:func:`gated_cublas.packed_takes`): the torch expression's
+    calls."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
     N = w_gate.shape[0]
     return 2 * rows * N * K < (PRODUCT_MIN_FLOPS if grad else PRODUCT_MIN_FLOPS_NO_GRAD) \
-        and not kernel_rows(rows, N, K, grad)
+        and not kernel_rows(rows, N, K, grad) \
+        and not (b_gate is None and rows > GATED_MAX_M and gated_cublas.packed_takes(x, w_gate, w_up, grad))
 
 
-def torch_serves(x, w_gate) -> bool:
+def torch_serves(x, w_gate, w_up=None) -> bool:
     """Whether an eager call is served by the torch expression (:data:`PRODUCT_MIN_FLOPS`,
-    :data:`PRODUCT_MIN_FLOPS_NO_GRAD` where neither ``x`` nor ``w_gate`` needs a gradient), for callers that
-    can run it more cheaply themselves (a fused module: its own forward)."""
+    :data:`PRODUCT_MIN_FLOPS_NO_GRAD` where neither ``x`` nor ``w_gate`` needs a gradient, unless the gated GEMM on
+    packed weights takes it), for callers that can run it more cheaply themselves (a fused module: its own
+    forward; its gate has no bias where ``w_up`` is given)."""
     try:
-        return _below_product_flops(x, w_gate, _grad_enabled() and (x.requires_grad or w_gate.requires_grad))
+        return _below_product_flops(x, w_gate, _grad_enabled() and (x.requires_grad or w_gate.requires_grad), w_up)
     except (AttributeError, IndexError, TypeError, RuntimeError):  # invalid operands: gated_linear raises
         return False
 
@@ -427,7 +432,7 @@ def _gated_linear(input, w_gate, w_up, b_gate, b_up, activation):
     if not (kernel_serves(tensors[0]) and kernel_shaped(*tensors)):
         return reference(*tensors, activation)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    if _below_product_flops(tensors[0], tensors[1], grad):
+    if _below_product_flops(tensors[0], tensors[1], grad, tensors[2], tensors[3]):
         return reference(*tensors, activation)
     if not (modes.eager() and all(t is None or type(t) in modes.PLAIN for t in tensors)):
         return _gated_op(*tensors, activation, grad)[0]  # compile, export, subclasses, modes

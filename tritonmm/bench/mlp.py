@@ -9,13 +9,15 @@ between ``torch.cuda.synchronize()`` calls, as in :mod:`tritonmm.bench.model`):
   and up weights, one Triton pass for SiLU and the product, then down);
 * ``unpacked``: ``fuse(..., pack=False)``: above 16 rows, two cuBLAS projections where
   ``gated.PRODUCT_MIN_FLOPS_NO_GRAD`` allows, else the module's own forward;
-* ``kernel``: the gated GEMM kernel at any M, then the down GEMM (what ``fused`` would be without that limit);
+* ``kernel``: the gated GEMM kernel at any M (up to ``gated.GATED_MAX_M`` rows the one on separate weights, above
+  it the one on the packed weights, :mod:`tritonmm.kernels.gated_packed`), then the down GEMM;
 * ``bound``: cuBLAS on x @ [Wg; Wu]^T and the down GEMM, no elementwise pass: what a perfect fused
   kernel at cuBLAS speed would take;
 * ``compile``: ``torch.compile`` of the module (SiLU and the product fused by Inductor, GEMMs on cuBLAS).
 
 Forward under ``no_grad``; forward + backward (eager, fused and unpacked, a fixed upstream gradient) for
-M >= 512.
+M >= 512, with each path's peak memory above what its parameters, gradients and input already hold
+(``torch.cuda.max_memory_allocated`` over one forward + backward after a first one allocated the gradients).
 Ratios are eager time / contender time (> 1: faster than eager); ``fused_vs_compile`` is compile / fused.
 """
 
@@ -52,10 +54,28 @@ def _ratios(times: dict, base: str) -> dict:
     return out
 
 
+def _peak_memory(runs: dict, base: str) -> dict:
+    """Each run's peak memory (MiB) above what was allocated before it, the gradients allocated by a first call;
+    and its ratio to ``base``'s (< 1: less memory than ``base``)."""
+    out = {}
+    for name, (_, fn) in runs.items():
+        fn()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        out[f"{name}_peak_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+    for name in runs:
+        if name != base:
+            out[f"{name}_peak_vs_{base}"] = out[f"{name}_peak_mib"] / out[f"{base}_peak_mib"]
+    return out
+
+
 def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> list[dict]:
     """One row per (config, M): forward times and ratios, and forward + backward for M >= 512."""
     import tritonmm
-    from tritonmm import gated
+    from tritonmm import gated, gated_cublas
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
@@ -69,9 +89,12 @@ def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> 
         w_cat = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
         w_down = mlp.down_proj.weight.detach()
 
-        def kernel(x):  # the gated GEMM kernel at any M (fuse uses it up to GATED_MAX_M rows), then down
-            wg, wu = mlp.gate_proj.weight, mlp.up_proj.weight
-            h = gated.forward(x, wg, wu, None, None, "silu", False, kernel=gated.choose_kernel(x, wg, wu))[0]
+        def kernel(x):  # a gated GEMM kernel at any M, then down
+            if x.shape[0] > gated.GATED_MAX_M and gated_cublas.packed_kernel_serves(x, w_cat, False, any_size=True):
+                h = gated_cublas.packed_kernel(x, w_cat, "silu")
+            else:
+                wg, wu = mlp.gate_proj.weight, mlp.up_proj.weight
+                h = gated.forward(x, wg, wu, None, None, "silu", False, kernel=gated.choose_kernel(x, wg, wu))[0]
             return torch.nn.functional.linear(h, w_down)
 
         def bound(x):
@@ -97,6 +120,8 @@ def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> 
                          "train_fused": (none, lambda: fused(xg).backward(grad)),
                          "train_unpacked": (none, lambda: unpacked(xg).backward(grad))}
                 row.update(_ratios(alternate(train, device, rounds, iters=1, warmup=2), "train_eager"))
+                if device.type == "cuda":
+                    row.update(_peak_memory(train, "train_eager"))
                 del xg, grad
                 for m in (mlp, fused, unpacked):
                     m.zero_grad(set_to_none=True)
@@ -111,12 +136,13 @@ def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> 
 
 def print_report(rows: list[dict]) -> None:
     print(f"{'config':10} {'M':>6} {'eager ms':>9} {'fused':>7} {'unpack':>7} {'kernel':>7} {'bound':>7} {'compile':>8} "
-          f"{'f/comp':>7} {'train':>7} {'t-unp':>7}   (eager time / contender time)")
+          f"{'f/comp':>7} {'train':>7} {'t-unp':>7} {'mem':>6}   (eager time / contender time; mem: fused peak / eager)")
     for r in rows:
         get = lambda k: f"{r[k]:.3f}" if k in r else "-"  # noqa: E731
         print(f"{r['config']:10} {r['tokens']:>6} {r['eager_ms']:>9.3f} {get('fused_ratio'):>7} {get('unpacked_ratio'):>7} "
               f"{get('kernel_ratio'):>7} {get('bound_ratio'):>7} {get('compile_ratio'):>8} "
-              f"{get('fused_vs_compile_ratio'):>7} {get('train_fused_ratio'):>7} {get('train_unpacked_ratio'):>7}")
+              f"{get('fused_vs_compile_ratio'):>7} {get('train_fused_ratio'):>7} {get('train_unpacked_ratio'):>7} "
+              f"{get('train_fused_peak_vs_train_eager'):>6}")
 
 
 def markdown(rows: list[dict]) -> str:
