@@ -58,13 +58,18 @@ def _row(what: str, ratios: list[float], verdict: str | None = None) -> str:
     return f"| {what} | {_cell(ratios) if ratios else '-'} | {verdict} |"
 
 
+def _triton_now(r: dict) -> bool:
+    """Whether a suite row served by a Triton kernel saved ``TRITON_MIN_SAVING_US``: the dispatcher sends such
+    a GEMM to Triton today; the others go to cuBLAS."""
+    return r["backend"].startswith("triton") and r["torch_us"] - r["tritonmm_us"] >= TRITON_MIN_SAVING_US
+
+
 def _suite_rows(data: dict) -> list[str]:
     """Rows of the shape suite by the path the dispatcher takes; a Triton row saving less than
     ``TRITON_MIN_SAVING_US`` goes to cuBLAS now and is left out."""
     rows = data["rows"]
     padded = [r["ratio"] for r in rows if r["backend"] == "torch:padded"]
-    triton = [r["ratio"] for r in rows if r["backend"].startswith("triton")
-              and r["torch_us"] - r["tritonmm_us"] >= TRITON_MIN_SAVING_US]
+    triton = [r["ratio"] for r in rows if _triton_now(r)]
     cublas = [r["ratio"] for r in rows if r["backend"] == "torch"]
     return [
         _row("`matmul` / `linear`: large GEMMs whose K or N is not a multiple of 16 bytes", padded),
@@ -98,6 +103,8 @@ def _mlp_rows(data: dict) -> list[str]:
 
 def _phase_mark(p: dict, mode: str) -> str:
     """A model phase's mark for ``mode`` against the phase's A/A control, by their 95% intervals."""
+    if "control_ratio" not in p:  # a run without the A/A control
+        return _mark(p[f"{mode}_ratio"])
     ratio, control = p[f"{mode}_ratio"], p["control_ratio"]
     lo, hi = p.get(f"{mode}_interval") or (ratio, ratio)
     c_lo, c_hi = p.get("control_interval") or (control, control)
@@ -118,9 +125,9 @@ def _model_rows(data: dict) -> list[str]:
         if not picked:
             continue
         ratios = [p[f"{m}_ratio"] for p, m in picked]
-        control = sorted({p["control_ratio"] for p, _ in picked})
-        verdict = _verdicts([_phase_mark(p, m) for p, m in picked])
-        out.append(f"| {what} | {_cell(ratios)}; A/A {control[0]:.2f}-{control[-1]:.2f} | {verdict} |")
+        control = sorted({p["control_ratio"] for p, _ in picked if "control_ratio" in p})
+        aa = f"; A/A {control[0]:.2f}-{control[-1]:.2f}" if control else ""
+        out.append(f"| {what} | {_cell(ratios)}{aa} | {_verdicts([_phase_mark(p, m) for p, m in picked])} |")
     return out
 
 
@@ -143,10 +150,13 @@ def table(bench_dir: pathlib.Path) -> str:
         OSError, ValueError, KeyError: a run is missing or is not one of ``python -m tritonmm.bench``.
     """
     suite, mlp, model = (json.loads((bench_dir / name).read_text()) for name in (SUITE, MLP, MODEL))
+    gone = sum(r["backend"].startswith("triton") and not _triton_now(r) for r in suite["rows"])
     lines = [f"Measured on {_versions(suite, mlp, model)}, bf16 unless noted (`benchmarks/{SUITE}` adds float16 "
              f"and float32; `{MLP}`, `{MODEL}`). Speed-up: torch time / tritonmm time, the median and range "
              f"over that file's rows; times within {SAME[0]:.2f}-{SAME[1]:.2f}x count as the same, model phases "
-             "against their A/A control (tritonmm off timed against itself).",
+             "against their A/A control (tritonmm off timed against itself)."
+             + (f" Left out: {gone} suite rows a Triton kernel served when measured, which go to cuBLAS now."
+                if gone else ""),
              "",
              "| use | speed-up | verdict |",
              "|---|---|---|"]
