@@ -37,6 +37,8 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; run on the H200)")
     config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors (TRITON_INTERPRET=1)")
+    config.addinivalue_line("markers", "slow: fuzz, build and soak tests, deselected by default (pyproject's addopts); "
+                                       "pytest -m slow runs them, and bash .ci/run runs them after the others")
 
 
 def pytest_collection_modifyitems(config, items):

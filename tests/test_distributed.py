@@ -71,6 +71,7 @@ def test_linear_rules_replicate_a_bias_broadcast_over_the_output():
         assert strategies and all(isinstance(p, Replicate) for out, inp in strategies for p in (*out, *inp[:3]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["tp", "fsdp"])
 def test_example_trains_on_cpu_with_gloo(parallel, tmp_path):
     """examples/train_distributed.py under torchrun, two CPU ranks, tritonmm on vs off: identical losses."""

@@ -104,6 +104,7 @@ def run_case(case, dtype, device, backend, kernel):
     assert torch.equal(a, a0) and torch.equal(b, b0)
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("kernel", ["tma", "tma-splitk", "pointer", "splitk", "padded", "cublas"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])

@@ -732,7 +732,7 @@ def test_product_thresholds_separate_the_measured_gpu_bound_and_host_bound_mlps(
 def test_kernel_band_holds_the_mlps_measured_faster_with_the_gated_kernel(rows, hidden, inter, kernel):
     """KERNEL_MAX_FLOPS_NO_GRAD takes, without autograd, the MLP sizes above GATED_MAX_M rows at which the gated
     kernel was measured faster than the torch expression (first-sight tuning's measurement, bf16;
-    benchmarks/h200_gated_band.json) and leaves out those measured slower; calls with autograd never."""
+    benchmarks/diagnostics/h200_gated_band.json) and leaves out those measured slower; calls with autograd never."""
     assert gated.kernel_rows(rows, inter, hidden, False) is kernel
     assert not gated.kernel_rows(rows, inter, hidden, True)
     x = torch.empty(rows, hidden, device="meta")

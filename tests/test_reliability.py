@@ -216,6 +216,7 @@ def test_linear_with_k_zero_is_activation_of_bias(bias_shape, activation):
     torch.testing.assert_close(tritonmm.linear(x, w, bias, activation), ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["pointer", "splitk"])
 def test_k_in_the_hundreds_of_thousands(kernel):
     M, N, K = 2, 3, 200_003
@@ -253,6 +254,7 @@ print(hashlib.sha256(out.contiguous().view(torch.int16).numpy().tobytes()).hexdi
 """
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_bit_identical_across_processes(kernel):
@@ -398,6 +400,7 @@ for i in range(40):
 """
 
 
+@pytest.mark.slow
 def test_concurrent_writers_never_corrupt_the_table(tmp_path):
     path = tmp_path / "table.json"
     tuned.atomic_write_text(path, json.dumps({"format": tuned.FORMAT, "entries": {}}))

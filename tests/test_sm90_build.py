@@ -10,12 +10,15 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from tritonmm.kernels import configs as cfg
 
 HERE = pathlib.Path(__file__).resolve().parent
 H200_SMEM = 232448  # bytes of shared memory per block (sm_90)
 
 
+@pytest.mark.slow
 def test_split_k_tma_configs_build_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])

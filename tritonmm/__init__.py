@@ -25,7 +25,7 @@ from .fusion import fuse, unfuse
 from .gated import gated_linear
 from .nn import TritonLinear, patch_linear, swap_linear, unpatch_linear, unswap_linear
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def tune_model(model, *example_args, **example_kwargs) -> dict:

@@ -58,10 +58,9 @@ TMA_COPY_MIN_FLOPS = 2 * 512**3
 PAD_MIN_INTENSITY = 256
 """FLOP/byte below which a GEMM is memory-bound and an operand copy costs more than it saves."""
 TRITON_MIN_SAVING_US = 15.0
-"""µs of GPU time a tuned-table Triton winner must save over cuBLAS to be used: a call on the Triton route
-costs 5-12 µs more host time than torch's own call on the H200's host, more on a slower one
-(``benchmarks/h200_model.json``, ``per_call``: the "Triton route" row against the "matmul, no_grad" row),
-which a host-paced loop such as eager decode pays in full, so a smaller saving can only make a model slower."""
+"""µs of GPU time a tuned-table Triton winner must save over cuBLAS to be used: more than a call on the Triton
+route costs the host over torch's own call (``benchmarks/h200_model.json``, ``per_call``: the "Triton route"
+row against the "matmul, no_grad" row), which a host-paced loop such as eager decode pays in full."""
 SMALL_M = 64
 """M at or below which a GEMM is memory-bound (weight streaming): pointer or split-K kernel."""
 

@@ -57,9 +57,9 @@ SWEEP_MS, PAIR_MS = 8, 30
 head-to-head of the fastest candidate and cuBLAS that decides."""
 MIN_GAIN, MIN_GAIN_US = tuned.FIRST_SIGHT_MIN_GAIN, 1.0
 """A candidate wins where cuBLAS time / its time is at least MIN_GAIN and it saves MIN_GAIN_US; the
-dispatcher then also asks for ``TRITON_MIN_SAVING_US``. Wider than the offline tuner's 1.01: winners
-measured here at 1.02-1.04x made a Llama-3-8B-sized model's training step slower than with cuBLAS on
-the H200 (``benchmarks/h200_first_sight_in_model.json``). Entries written with a smaller margin are
+dispatcher then also asks for ``TRITON_MIN_SAVING_US``. Wider than the offline tuner's 1.01: winners by
+a smaller margin made a model's training step slower than cuBLAS alone
+(``benchmarks/diagnostics/h200_first_sight_in_model.json``). Entries written with a smaller margin are
 held to this one when read (:func:`tuned.saves`)."""
 _DTYPES = (torch.float16, torch.bfloat16)
 

@@ -71,9 +71,8 @@ def torch_rows(weight: Tensor, input: Tensor, activation: str) -> None:
     by the input's element count, dtype and device for a given weight (and the state :mod:`tritonmm.api` checks
     before reading the plan), so later calls without autograd or autocast on a 16-bit input of the weight's
     dtype with as many elements and no activation, the weight's shape and dtype as planned, are served as
-    ``F.linear`` after the plan's lookup (the Llama-3-8B lm_head's decode calls on the H200:
-    ``benchmarks/h200_decode_routes.json``, ``benchmarks/h200_plan_rows.json``). Called where such a call
-    resolved to torch."""
+    ``F.linear`` after the plan's lookup (a weight with some GEMMs on Triton, such as a large vocabulary head,
+    in decode: ``benchmarks/diagnostics/h200_plan_rows.json``). Called where such a call resolved to torch."""
     current = plans.get(id(weight))
     if current is None or current[0] or activation != "none":
         return

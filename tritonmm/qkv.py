@@ -48,27 +48,25 @@ _is_compiling = torch.compiler.is_compiling
 _PLAIN = modes.PLAIN
 _MISSING = object()
 SERVE_EAGER = False
-"""Whether calls outside CUDA-graph capture are served too. Off: on the H200, forwards of a transformers Llama
-in eager mode ran at 0.95x to 0.99x with the one GEMM against the three (decode and prefill, paced by the host:
-the serving costs the host more than the two launches it saves; ``benchmarks/h200_fuse_ab.json``), replays of
-captured forwards at 1.02x to 1.11x over the runs (``benchmarks/h200_model.json``)."""
+"""Whether calls outside CUDA-graph capture are served too. Off: in host-paced eager forwards (decode, prefill)
+the serving costs the host more than the two launches it saves (``benchmarks/diagnostics/h200_fuse_ab.json``);
+captured forwards replay faster (``benchmarks/h200_model.json``, ``cuda-graph replay``)."""
 _capturing = torch.cuda.is_current_stream_capturing
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _captured(x) -> bool:
     """Whether ``x`` is a CUDA tensor and this thread's current stream on its device is capturing a CUDA graph.
-    The default stream, which cannot capture, is told apart first without the driver's capture query (on the
-    H200's host the check takes 0.32 us, the query 0.7-2.5 us: ``benchmarks/h200_fuse_prefill_diag.json``)."""
+    The default stream, which cannot capture, is told apart first, without the driver's capture query, which
+    costs more host time than the check (``benchmarks/diagnostics/h200_fuse_prefill_diag.json``)."""
     if not x.is_cuda or _raw_stream is not None and not _raw_stream(x.get_device()):
         return False
     return _capturing()
 
 
 MAX_FLOPS = 2**37
-"""Calls above this many FLOP run the three GEMMs: at Llama-3-8B's q/k/v sizes the one GEMM measured 0.97x of
-the three at 4096 rows (2.1e11 FLOP) and 1.04x at 2048 (1.0e11), 1.3x to 3.4x below
-(``benchmarks/h200_qkv.json``)."""
+"""Calls above this many FLOP run the three GEMMs: above it the one GEMM saves nothing over the three
+(``benchmarks/h200_qkv.json``, Llama-3-8B's q/k/v sizes)."""
 
 
 _LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW")

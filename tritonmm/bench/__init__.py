@@ -2,8 +2,8 @@
 
 Modules: :mod:`.cli` (the command line), :mod:`.timing` (paired GPU timing), :mod:`.gemm` (per-GEMM
 rows on the shape suite), :mod:`.model` (a transformers Llama model, off / swapped / patched, and
-per-call host cost), :mod:`.report` (tables, Markdown, CSV, plot), :mod:`.cpu` (the interpreter check
-without a GPU).
+per-call host cost), :mod:`.report` (tables, Markdown, CSV, plot), :mod:`.readme` (the README's table
+from the committed runs), :mod:`.cpu` (the interpreter check without a GPU).
 """
 
 from .cli import DTYPES, default_suite, load_suite, main, parse_args

@@ -7,7 +7,8 @@
     python -m tritonmm.bench --compare inductor   # add torch.compile max-autotune (Triton templates)
     python -m tritonmm.bench --plot bench.png     # TFLOP/s against problem size, per shape class
     python -m tritonmm.bench --from-json benchmarks/h200.json --plot bench.png   # no GPU needed
-    python -m tritonmm.bench --from-json benchmarks/h200.json --markdown         # README tables
+    python -m tritonmm.bench --from-json benchmarks/h200.json --markdown         # a run's tables as Markdown
+    python -m tritonmm.bench --readme README.md   # the README's table, from the runs in benchmarks/ beside it
     python -m tritonmm.bench --model --json model.json   # a transformers Llama model: off / swap / patch
     python -m tritonmm.bench --first-sight               # first-sight tuning on six model families' layers
 
@@ -41,7 +42,7 @@ import torch
 
 import tritonmm
 
-from . import mlp, model, per_call
+from . import mlp, model, per_call, readme
 from .cpu import cpu_check
 from .gemm import bench_linear_row, bench_matmul_row, inductor_pass
 from .model import CONFIGS
@@ -75,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--from-json", type=pathlib.Path,
                    help="print the table (and --plot) of an earlier --json run instead of measuring")
     p.add_argument("--markdown", action="store_true", help="with --from-json: print the tables as Markdown (README)")
+    p.add_argument("--readme", type=pathlib.Path, metavar="README.md",
+                   help="rewrite the 'when it is faster' table in this README from the committed runs in the "
+                        "benchmarks/ folder beside it (no GPU needed)")
     p.add_argument("--json", type=pathlib.Path, help="write rows and machine facts as JSON")
     p.add_argument("--csv", type=pathlib.Path, help="write rows as CSV")
     p.add_argument("--model", action="store_true",
@@ -100,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--markdown prints an earlier run: give it --from-json RUN.json")
     if args.from_json and not args.from_json.is_file():
         p.error(f"--from-json: no such file {args.from_json}")
+    if args.readme and not args.readme.is_file():
+        p.error(f"--readme: no such file {args.readme}")
     return args
 
 
@@ -200,8 +206,21 @@ def first_sight_main(args) -> int:
     return 0 if result["summary"]["all_ok"] else 1
 
 
+def readme_main(args) -> int:
+    """``--readme``: the README's table rewritten from the committed runs (status 2 where they cannot be read)."""
+    try:
+        changed = readme.update(args.readme)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"python -m tritonmm.bench: error: --readme {args.readme}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.readme}: table {'rewritten' if changed else 'already current'}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.readme:
+        return readme_main(args)
     if args.from_json:
         return from_json(args)
     if args.first_sight:

@@ -16,7 +16,7 @@
    to issue one forward, the kernels of one forward, and wall times alternated.
 7. MLP forwards without autograd (TinyLlama's and the small config's widths; 512 and 4096 tokens): eager,
    fused as released, and fused with the cuBLAS + product path at any size (both product thresholds 0).
-Usage: PYTHONPATH=$PWD python3 benchmarks/h200_gated_diag.py [sections, default 1234]"""
+Usage: PYTHONPATH=$PWD python3 benchmarks/diagnostics/h200_gated_diag.py [sections, default 1234]"""
 import contextlib
 import copy
 import statistics

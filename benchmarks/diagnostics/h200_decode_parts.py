@@ -4,7 +4,7 @@ off, swapped in, swapped in but for lm_head (``swap_no_lm``), patched in, and of
 order rotated round by round; and, swapped in, the calls that leave the weight plans' fast path (keyed routes) and
 the route of each linear layer's GEMM at the prompt's and a step's rows.
 
-Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/h200_decode_parts.py  (prints; writes
+Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/diagnostics/h200_decode_parts.py  (prints; writes
 $OUT/h200_decode_parts.json). On a CPU it dry-runs a tiny model.
 """
 import contextlib

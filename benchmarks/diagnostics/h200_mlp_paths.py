@@ -9,7 +9,7 @@ then down_proj as F.linear). Each sample: ``torch.cuda.synchronize()``, 20 calls
 returns, per call), then ``torch.cuda.synchronize()`` (``wall_us``, per call); the paths alternate within each of
 30 rounds; medians.
 
-Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/h200_mlp_paths.py  (prints; writes $OUT/h200_mlp_paths.json)
+Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/diagnostics/h200_mlp_paths.py  (prints; writes $OUT/h200_mlp_paths.json)
 """
 import contextlib
 import copy

@@ -9,7 +9,7 @@ idle time between the first and last kernel; CUDA runtime calls by name (count, 
 the forward's start to its last kernel's end. Then wall times alternated without the profiler. The chrome
 traces go to $OUT (gzip).
 
-Usage: PYTHONPATH=$PWD python3 benchmarks/h200_prefill_trace.py [tokens]; re-read saved traces: ... --from TRACE.json.gz..."""
+Usage: PYTHONPATH=$PWD python3 benchmarks/diagnostics/h200_prefill_trace.py [tokens]; re-read saved traces: ... --from TRACE.json.gz..."""
 import collections
 import gzip
 import json

@@ -12,7 +12,7 @@ product path from 17 rows); fuse_kernel (``gated.GATED_MAX_M`` 4096 and the poin
 run the gated GEMM kernel, Triton's autotuner choosing its config, first-sight tuning off for it).
 
 Usage: PYTHONPATH=$PWD OUT=DIR [ROUNDS=24] [CONFIGS=small,llama3-8b-2l] [MODES=off,fuse,...] python3
-benchmarks/h200_mlp_host_in_model.py  (writes $OUT/h200_mlp_host_in_model.json)
+benchmarks/diagnostics/h200_mlp_host_in_model.py  (writes $OUT/h200_mlp_host_in_model.json)
 """
 import contextlib
 import gc

@@ -6,7 +6,7 @@ plan is 0) with and without the plan's record of input sizes whose forward resol
 Each figure: the median over 15 rounds (the variants alternating) of the minimum of 5 timeit repeats of 50 calls,
 ``torch.cuda.synchronize()`` before each repeat (the host time to issue a call).
 
-Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/h200_plan_rows.py  (prints; writes $OUT/h200_plan_rows.json)
+Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/diagnostics/h200_plan_rows.py  (prints; writes $OUT/h200_plan_rows.json)
 """
 import copy
 import json

@@ -1,4 +1,4 @@
-"""Diagnostics on a GPU (benchmarks/h200_decode_diag.json): what differs between tritonmm off / swapped /
+"""Diagnostics on a GPU (benchmarks/diagnostics/h200_decode_diag.json): what differs between tritonmm off / swapped /
 patched in eager decode of the Llama-3-8B-sized model (kernels run, host ops, settled classes), the in-situ
 cost of each check of the fast path, the host cost of a fused MLP at decode sizes, and eager decode with
 ``fuse`` against off. Run from the repository root with PYTHONPATH=. on a GPU, optionally naming the parts

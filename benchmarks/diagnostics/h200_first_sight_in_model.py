@@ -2,7 +2,7 @@
 this GPU: one training step (fp32 weights, bf16 autocast, AdamW, 8 x 2048 tokens) with the layers swapped, the
 table entries first-sight tuning wrote, the dispatcher's decision for every GEMM of the step and of 1 x 512 /
 4 x 1024 prefills, and the step alternated off / swapped / swapped with cuBLAS forced. Run from the repository
-root with PYTHONPATH=. on a GPU; prints its findings (benchmarks/h200_first_sight_in_model.json)."""
+root with PYTHONPATH=. on a GPU; prints its findings (benchmarks/diagnostics/h200_first_sight_in_model.json)."""
 import contextlib
 import json
 import pathlib

@@ -1,7 +1,7 @@
 """Where fuse's extra time in a 1 x 512 eager prefill comes from: fuse in full, MLPs only and attentions only
 against off (the model benchmark's alternation), and torch.profiler's per-op host time of off against fuse.
 
-Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/h200_fuse_prefill_diag.py  (prints; writes
+Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/diagnostics/h200_fuse_prefill_diag.py  (prints; writes
 $OUT/h200_fuse_prefill_diag.json)
 """
 import contextlib

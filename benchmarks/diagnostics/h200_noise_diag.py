@@ -1,7 +1,7 @@
 """Whether pinning the benchmark's main thread to one CPU core narrows the model benchmark's A/A spread on this
 host: small-config eager prefill and training step, off / swap / control, in blocks alternating unpinned and
 pinned. Run from the repository root with PYTHONPATH=. on a GPU; prints per block the ratios and the spread
-(interquartile range) of the per-round ratios (benchmarks/h200_decode_diag.json, ``pinning``)."""
+(interquartile range) of the per-round ratios (benchmarks/diagnostics/h200_decode_diag.json, ``pinning``)."""
 import os
 import statistics
 import subprocess

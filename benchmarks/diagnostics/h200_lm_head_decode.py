@@ -4,7 +4,7 @@ input sizes): off, lm_head alone swapped in (``lm_swap``), and lm_head alone swa
 class by hand (``lm_settled``: ``F.linear`` with no checks, what a settled layer runs), alternated as the model
 benchmark alternates its modes, three times.
 
-Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/h200_lm_head_decode.py  (prints; writes
+Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/diagnostics/h200_lm_head_decode.py  (prints; writes
 $OUT/h200_lm_head_decode.json). On a CPU it dry-runs a tiny model.
 """
 import contextlib

@@ -3,7 +3,7 @@ with tritonmm off, fused whole, with its MLPs fused only and with its attentions
 in eager mode (``qkv.SERVE_EAGER = True``), alternated in one process as ``python -m tritonmm.bench --model``
 alternates its modes (``tritonmm.bench.model.alternate`` and ``_row``; A/A control included).
 
-Run from the repository root: ``PYTHONPATH=$PWD OUT=DIR python3 benchmarks/h200_fuse_ab.py`` writes
+Run from the repository root: ``PYTHONPATH=$PWD OUT=DIR python3 benchmarks/diagnostics/h200_fuse_ab.py`` writes
 ``DIR/h200_fuse_ab.json``. Without a GPU it runs the tiny config on the CPU (a smoke test: there the MLP's
 kernel runs under Triton's interpreter).
 """

@@ -5,7 +5,7 @@ in alternating order, each after one untimed forward: ``issue`` is the time unti
 until the following ``torch.cuda.synchronize()``; medians. Then 20 forwards of each mode under cProfile (top 22 by
 own time, printed).
 
-Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/h200_fuse_prefill_host.py  (prints; writes
+Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/diagnostics/h200_fuse_prefill_host.py  (prints; writes
 $OUT/h200_fuse_prefill_host.json)
 """
 import cProfile

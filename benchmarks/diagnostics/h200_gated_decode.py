@@ -3,7 +3,7 @@ bf16, per config of its pruned pool and autotuned: GPU time with L2 flushed as f
 (``first_sight._times``), and back to back without flushing (a loop of 200 calls between CUDA events), with
 each config's first-launch (compile) seconds.
 
-Run from the repository root: ``PYTHONPATH=$PWD OUT=DIR python3 benchmarks/h200_gated_decode.py`` writes
+Run from the repository root: ``PYTHONPATH=$PWD OUT=DIR python3 benchmarks/diagnostics/h200_gated_decode.py`` writes
 ``DIR/h200_gated_decode.json``.
 """
 

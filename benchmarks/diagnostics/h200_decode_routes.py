@@ -1,7 +1,7 @@
 """The route each linear layer of the Llama-3-8B-sized model (2 layers) takes in eager decode, swapped in, and
 each swapped layer's host time per call against nn.Linear at decode rows.
 
-Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/h200_decode_routes.py  (prints; writes
+Usage: PYTHONPATH=$PWD OUT=DIR python3 benchmarks/diagnostics/h200_decode_routes.py  (prints; writes
 $OUT/h200_decode_routes.json)
 """
 import json
