@@ -1,6 +1,9 @@
 """The gated linear: ``act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)`` in fewer kernels.
 
-This is the first half of a Llama-family MLP (gate and up projections, SiLU, product). Up to :data:`GATED_MAX_M`
+This is the first half of a Llama-family MLP (gate and up projections, SiLU, product). Without autograd, on packed
+weights (``w_up`` directly after ``w_gate``, as :func:`tritonmm.fuse` stores them) above :data:`GATED_MAX_M` rows and
+from :data:`tritonmm.gated_cublas.PACKED_KERNEL_MIN_FLOPS` per projection, the gated GEMM on the packed weights
+(:mod:`tritonmm.kernels.gated_packed`, Hopper GPUs) serves. Otherwise up to :data:`GATED_MAX_M`
 rows, and without autograd up to :data:`KERNEL_MAX_FLOPS_NO_GRAD` per projection, the Triton GEMM kernels
 (:mod:`tritonmm.kernels.gated`) read x once for both projections and write only the product, instead of two
 projections, the activation and the product as four tensors. Above, from
@@ -40,31 +43,22 @@ from .gated_args import GATED_ACTIVATIONS, autocast as _autocast, check, kernel_
 __all__ = ["GATED_ACTIVATIONS", "gated_linear", "reference"]
 _KERNEL_DTYPES = gated_cublas.KERNEL_DTYPES
 GATED_MAX_M = 16
-"""Rows (M) up to which the gated GEMM kernel serves a call: decode-sized GEMMs, memory- and launch-bound,
-where one kernel instead of four saves launches and a pass over the projections. Above it, for calls with
-autograd or from :data:`KERNEL_MAX_FLOPS_NO_GRAD`, cuBLAS runs the projections and one Triton pass the activation
-and product: on the H200 the gated GEMM kernels ran at 0.75-0.93x of eager from M = 512 up wherever the GPU set
-the pace (``benchmarks/h200_mlp.json``, ``kernel_ratio``)."""
+"""Rows (M) up to which the gated GEMM kernel on separate weights serves a call: decode-sized GEMMs, memory- and
+launch-bound, where one kernel instead of four saves launches and a pass over the projections. Above it that kernel
+ran slower than eager wherever the GPU set the pace (``benchmarks/h200_mlp.json``, ``kernel_ratio``)."""
 PRODUCT_MIN_FLOPS = 2**35
 """FLOP per projection (2·M·N·K, 3.4e10) from which calls with autograd of more than :data:`GATED_MAX_M` rows
 take the cuBLAS + product path; smaller ones run the torch expression (eager's kernels): the host sets the pace
-there and the path costs more host time than its pass saves. On the H200, with the path at any size, a TinyLlama
-MLP forward + backward at 512 rows (1.2e10 FLOP) ran at 0.74x of eager (packed weights: 0.56x for the small MLP
-at 4096 rows, 2.4e10); from 6e10 FLOP forward + backward ran at 0.99-1.07x (``benchmarks/h200_mlp.json``)."""
+there and the path costs more host time than its pass saves (``benchmarks/h200_mlp.json``)."""
 PRODUCT_MIN_FLOPS_NO_GRAD = 2**37
-"""FLOP per projection (1.4e11) from which calls without autograd take the product path: an inference forward
-stays paced by the host to larger sizes than a training step, and the product pass's launch costs host time. On the
-H200 the Llama-3-8B-sized model's eager 1 x 512 prefill (6e10 FLOP) ran with the path at 0.971-0.977x of tritonmm
-off, its MLP calls taking 33 us more host time each, and at 1.017x with the MLP's own forward in one run
-(``benchmarks/h200_model.json``, ``h200_mlp_host_in_model.json``); its 4 x 1024 prefill (4.8e11) at 1.013-1.021x
-with the path. Below it the MLP block alone, GPU-paced there, gives up the path's 1.16x (Llama-3-8B's at 512
-rows) and 1.08x (TinyLlama's at 4096, 9.5e10 FLOP) forward (``benchmarks/h200_mlp.json``)."""
+"""FLOP per projection (1.4e11) from which calls without autograd on weights that are not packed take the product
+path: an inference forward stays paced by the host to larger sizes than a training step, and the product pass's
+launch costs host time (``benchmarks/h200_model.json``, ``diagnostics/h200_mlp_host_in_model.json``). Calls on
+packed weights take the gated GEMM on them from :data:`tritonmm.gated_cublas.PACKED_KERNEL_MIN_FLOPS`."""
 KERNEL_MAX_FLOPS_NO_GRAD = 2**34
 """FLOP per projection (2·M·N·K, 1.7e10) up to which calls without autograd of more than :data:`GATED_MAX_M` rows
 run the gated GEMM kernel too, where this GPU's table or a first-sight measurement (:mod:`tritonmm.gated_tuning`)
-picks it over the torch expression. On the H200 the kernel ran at 1.06-1.84x of the torch expression in GPU time
-from 32 rows up to 1.5e10 FLOP (the small model's, TinyLlama's and Llama-3-8B's MLP widths; bf16), and at 0.86-0.91x
-from 2.4e10 (``benchmarks/h200_gated_band.json``)."""
+picks it over the torch expression: faster there, slower above (``benchmarks/diagnostics/h200_gated_band.json``)."""
 TMA_MIN_M = 64
 """Rows above which the persistent TMA kernel serves (on sm_90+, aligned operands; reached by
 :func:`forward` callers that pass larger M); the pointer kernel's small-M tiles serve the rest."""

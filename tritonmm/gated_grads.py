@@ -27,7 +27,7 @@ def backward(grad_h: Tensor, x_shape, x, w_gate, w_up, g: Tensor, u: Tensor, act
     N, K = g.shape[-1], x_shape[-1]
     d_gate, d_up, both = gated_cublas.grads(grad_h.reshape(g.shape), g, u, activation, needs)  # (-1: N may be 0)
     dx = dwg = dwu = dbg = dbu = None
-    if needs[0]:  # (as one GEMM on [Wg; Wu] its K is 2N, and it ran slower on the H200 than these two)
+    if needs[0]:  # (as one GEMM on [Wg; Wu] its K is 2N: slower than these two)
         dx = (d_gate @ w_gate).addmm_(d_up, w_up).view(x_shape)  # in place: addmm would copy its first operand
     if needs[1] or needs[2]:
         x2 = x.reshape(g.shape[0], K)

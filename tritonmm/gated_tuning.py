@@ -31,7 +31,7 @@ MIN_GAIN = 1.0
 """Torch expression time / kernel time from which a first-sight measurement keeps the gated kernel."""
 COMPILE_BUDGET_S = 1.4
 """Seconds after which no further config is compiled (``first_sight.race``): twice the plain GEMM's, since a
-config's first compile took 0.35-0.8 s on the H200's host (``benchmarks/h200_gated_decode.json``); configs
+config's first compile takes longer (``benchmarks/diagnostics/h200_gated_decode.json``); configs
 already in Triton's on-disk cache load in milliseconds, so later geometries compile the whole pool."""
 _DTYPES = (torch.float16, torch.bfloat16)
 

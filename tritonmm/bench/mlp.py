@@ -146,7 +146,7 @@ def print_report(rows: list[dict]) -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The README's MLP table."""
+    """The MLP rows as a markdown table (`bench --from-json RUN.json --markdown`)."""
     lines = ["| MLP (hidden / intermediate) | tokens | eager ms | fused | fused, unpacked | gated kernel, any M | "
              "cuBLAS bound | torch.compile | fused fwd+bwd |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

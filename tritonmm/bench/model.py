@@ -86,8 +86,8 @@ def alternate(runs: dict, device, rounds: int, iters: int = 1, warmup: int = 2) 
     ``iters`` times and for about :data:`SAMPLE_MS`, right after one untimed call of the same mode (so no
     mode is timed cold after another mode's calls), with Python's garbage collector paused (it runs between
     rounds instead, as ``timeit`` pauses it). Each round starts with one untimed sample of its first mode:
-    on the H200 the first sample after the pause between rounds ran up to 10% faster than the rest
-    (``benchmarks/h200_model_first_place.json``), which would favour whichever mode comes first."""
+    the first sample after the pause between rounds can run faster than the rest
+    (``benchmarks/diagnostics/h200_model_first_place.json``), which would favour whichever mode comes first."""
     runs = {**runs, CONTROL: runs["off"]} if "off" in runs and CONTROL not in runs else dict(runs)
     names = list(runs)
     for name in names:
@@ -313,7 +313,7 @@ def print_report(result: dict) -> None:
 
 
 def markdown(result: dict) -> str:
-    """The README's model table."""
+    """The model phases as a markdown table (`bench --from-json RUN.json --markdown`)."""
     lines = ["| model | phase | off ms | swap_linear | patch_linear | fuse | off again (A/A) |",
              "|---|---|---|---|---|---|---|"]
 
