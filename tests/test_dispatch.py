@@ -192,3 +192,26 @@ def test_decisions_follow_forcing_changes(monkeypatch):
     monkeypatch.setenv("TRITONMM_BACKEND", "triton")
     monkeypatch.setenv("TRITONMM_KERNEL", "splitk")
     assert tritonmm.explain(a, b).kernel == "splitk"
+
+
+def test_forced_triton_on_cpu_outside_the_interpreter_warns_once(monkeypatch):
+    """force_backend("triton") on CPU tensors without TRITON_INTERPRET=1 runs torch, with one UserWarning."""
+    import warnings
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(dispatch, "_warned", set(), raising=False)
+    tritonmm.clear_cache()
+    a, b = torch.randn(8, 12), torch.randn(12, 5)
+    try:
+        with warnings.catch_warnings(record=True) as caught, tritonmm.force_backend("triton"):
+            warnings.simplefilter("always")
+            for n in (8, 3):
+                torch.testing.assert_close(tritonmm.matmul(a[:n], b), torch.matmul(a[:n], b))
+                torch.testing.assert_close(tritonmm.linear(a[:n], b.t()), torch.matmul(a[:n], b))
+            assert tritonmm.explain(a, b).backend == "torch"
+        assert [str(w.message) for w in caught if w.category is UserWarning] == [
+            "tritonmm: backend forced to triton, but torch serves this call and every call like it: CPU tensors: "
+            "the Triton kernels run on CUDA GPUs (or on CPU under TRITON_INTERPRET=1)"]
+    finally:
+        monkeypatch.undo()
+        tritonmm.clear_cache()

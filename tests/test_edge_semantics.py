@@ -242,6 +242,23 @@ def test_keyword_names_match_torch():
                                F.linear(input=a, weight=b.t(), bias=bias))
 
 
+def test_ops_name_torchs_argument_in_their_errors():
+    """The op schemas keep 0.1.0's argument names (programs saved by torch.export find arguments by name); a
+    non-tensor argument's error names torch.matmul's / F.linear's argument as torch's own error does."""
+    names = {op: [a.name for a in getattr(torch.ops.tritonmm, op).default._schema.arguments]
+             for op in ("matmul", "linear")}
+    assert names == {"matmul": ["a", "b"], "linear": ["x", "weight", "bias", "activation"]}
+    a, w = randn(3, 4), randn(5, 4)
+    for call, ref, name in ((lambda: torch.ops.tritonmm.matmul(a, None), lambda: torch.matmul(a, None), "other"),
+                            (lambda: torch.ops.tritonmm.matmul(None, a), lambda: torch.matmul(None, a), "input"),
+                            (lambda: torch.ops.tritonmm.linear(None, w), lambda: F.linear(None, w), "input"),
+                            (lambda: torch.ops.tritonmm.linear(a, None), lambda: F.linear(a, None), "weight")):
+        with pytest.raises(TypeError, match=f"'{name}'"):
+            ref()
+        with pytest.raises(TypeError, match=f"'{name}'"):
+            call()
+
+
 @pytest.mark.parametrize("bias", [1.0, [1.0, 2.0]], ids=str)
 def test_non_tensor_bias_is_a_type_error(bias):
     x, w = randn(3, 2), randn(2, 2)
@@ -283,6 +300,140 @@ def test_swapped_model_pickles_and_deep_copies():
         torch.testing.assert_close(m(x), want, rtol=0, atol=0)
         tritonmm.unswap_linear(m)
         assert type(m[0]) is nn.Linear
+
+
+class _NewArgsLinear(nn.Linear):
+    """Reduced as its constructor call alone: a copy is a new layer of the same shape (fresh weights)."""
+
+    def __reduce__(self):
+        return (_NewArgsLinear, (self.in_features, self.out_features))
+
+
+class _OwnReduceExLinear(nn.Linear):
+    """Reduced through its own __reduce_ex__, which counts its calls."""
+
+    calls = 0
+
+    def __reduce_ex__(self, protocol):
+        _OwnReduceExLinear.calls += 1
+        return super().__reduce_ex__(protocol)
+
+
+def _new_mlp():
+    return _ConstructedMLP()
+
+
+class _ConstructedMLP(nn.Module):
+    """A Llama-style MLP reduced as a call of its constructor (a 2-tuple, no state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(16, 32, bias=False), nn.Linear(16, 32, bias=False)
+        self.down_proj, self.act_fn = nn.Linear(32, 16, bias=False), nn.SiLU()
+
+    def forward(self, x):
+        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return down_proj
+
+    def __reduce__(self):
+        return (_new_mlp, ())
+
+
+def _copies(module):
+    """deepcopy, copy, pickle (protocols 0, 2 and the highest) and torch.save / torch.load of ``module``."""
+    import pickle
+
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return {"deepcopy": copy.deepcopy(module), "copy": copy.copy(module),
+            **{f"pickle{p}": pickle.loads(pickle.dumps(module, protocol=p)) for p in (0, 2, pickle.HIGHEST_PROTOCOL)},
+            "torch.save": torch.load(buf, weights_only=False)}
+
+
+def test_classes_with_their_own_reduction_copy_as_torch_copies_them():
+    """A swapped or fused module whose class reduces its instances itself (``__reduce__`` giving a constructor
+    call, its own ``__reduce_ex__``) copies and pickles through that reduction, as without tritonmm, and the copy
+    is swapped or fused again."""
+    x = randn(3, 16)
+    new_args = tritonmm.swap_linear(_NewArgsLinear(16, 8))
+    for how, c in _copies(new_args).items():
+        assert type(c) is type(new_args) and c.weight.shape == (8, 16) and c.weight is not new_args.weight, how
+        torch.testing.assert_close(c(x), F.linear(x, c.weight, c.bias), msg=how)
+    own = tritonmm.swap_linear(_OwnReduceExLinear(16, 8))
+    calls = _OwnReduceExLinear.calls
+    copies = _copies(own)
+    assert _OwnReduceExLinear.calls - calls == len(copies)
+    for how, c in copies.items():
+        assert type(c) is type(own), how
+        torch.testing.assert_close(c(x), own(x), rtol=0, atol=0, msg=how)
+    mlp = tritonmm.fuse(_ConstructedMLP(), pack=False)
+    for how, c in _copies(mlp).items():
+        assert type(c) is type(mlp) and c.gate_proj.weight is not mlp.gate_proj.weight, how
+        ref = c.down_proj(F.silu(c.gate_proj(x)) * c.up_proj(x))
+        torch.testing.assert_close(c(x), ref, msg=how)
+
+
+def test_weight_plans_die_with_their_weights(monkeypatch):
+    """A weight's plan goes when the weight's Python object is freed: an fx Proxy allocated where a planned
+    weight lay (a Proxy class of a tensor's allocation size) is traced, not compared with the plan."""
+    import gc
+
+    import torch.fx
+
+    from tritonmm import plans
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU weights: torch serves every GEMM, so plans are made
+    tritonmm.clear_cache()
+
+    class SizedProxy(torch.fx.Proxy):
+        __slots__ = ("_a", "_b")  # the allocation size of a tensor's Python object on CPython 3.11-3.13
+
+    x = randn(2, 8)
+    try:
+        w = randn(8, 8)
+        tritonmm.linear(x, w)
+        key = id(w)
+        assert key in plans.plans and key in plans.free_ptrs
+        del w
+        gc.collect()
+        assert key not in plans.plans and key not in plans.free_ptrs
+        tracer = torch.fx.Tracer()
+        tracer.graph = torch.fx.Graph()
+        xp, node = torch.fx.Proxy(tracer.graph.placeholder("x"), tracer), tracer.graph.placeholder("w")
+        reused = 0
+        for _ in range(20):  # each weight planned, freed, and its memory given to the next Proxy
+            w = randn(8, 8)
+            tritonmm.linear(x, w)
+            key = id(w)
+            del w
+            wp = SizedProxy(node, tracer)
+            reused += id(wp) == key
+            assert isinstance(tritonmm.linear(xp, wp), torch.fx.Proxy)
+        assert reused  # (else this interpreter allocates these Proxies elsewhere, and the check above is idle)
+    finally:
+        monkeypatch.undo()
+        tritonmm.clear_cache()
+
+
+def test_fused_mlp_traces_with_a_proxy_subclass():
+    """Tracers whose proxies subclass torch.fx.Proxy (meta_tracer, custom tracers) record a fused MLP's modules."""
+    import torch.fx
+    from torch.fx.experimental.meta_tracer import symbolic_trace as meta_trace
+
+    class SubProxy(torch.fx.Proxy):
+        pass
+
+    class SubTracer(torch.fx.Tracer):
+        def proxy(self, node):
+            return SubProxy(node, self)
+
+    mlp = tritonmm.fuse(_ConstructedMLP(), pack=False)
+    x = randn(3, 16)
+    want = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    traced = torch.fx.GraphModule(mlp, SubTracer().trace(mlp))
+    torch.testing.assert_close(traced(x), want)
+    torch.testing.assert_close(meta_trace(mlp, meta_args={"x": x.to("meta")})(x), want)
 
 
 def test_swap_skips_lazy_and_parametrized_modules():

@@ -136,3 +136,29 @@ def test_bad_environment_value_reported_for_every_call(monkeypatch, dtype, shape
     a, b = randn(*shape, dtype=dtype), randn(shape[1], 3, dtype=dtype)
     with pytest.raises(ValueError, match="TRITONMM_BACKEND"):
         tritonmm.matmul(a, b)
+
+
+@pytest.mark.parametrize("call", ["swap_linear", "unswap_linear", "fuse", "unfuse"])
+@pytest.mark.parametrize("model", [None, "model", torch.nn.Linear], ids=["None", "str", "class"])
+def test_module_functions_name_an_argument_that_is_not_a_module(call, model):
+    with pytest.raises(TypeError, match=rf"tritonmm\.{call}\(\): argument 'model' must be an nn\.Module"):
+        getattr(tritonmm, call)(model)
+
+
+def test_unknown_activation_has_one_message_and_order():
+    """linear, TritonLinear, the op and gated_linear name the activation and list the known ones in one order (the
+    gated linear takes all but "none")."""
+    x, w = randn(2, 8), randn(4, 8)
+    calls = {"tritonmm.linear": lambda: tritonmm.linear(x, w, None, "swish"),
+             "op": lambda: torch.ops.tritonmm.linear(x, w, None, "swish"),
+             "TritonLinear": lambda: tritonmm.TritonLinear(8, 4, activation="swish"),
+             "tritonmm.gated_linear": lambda: tritonmm.gated_linear(x, w, w, activation="swish")}
+    messages = {}
+    for name, call in calls.items():
+        with pytest.raises(ValueError) as err:
+            call()
+        messages[name] = str(err.value)
+    linear = "unknown activation 'swish'; expected one of ('none', 'silu', 'gelu', 'gelu_tanh', 'relu')"
+    assert messages["tritonmm.linear"] == messages["op"] == f"tritonmm.linear: {linear}"
+    assert messages["TritonLinear"] == f"TritonLinear: {linear}"
+    assert messages["tritonmm.gated_linear"] == f"tritonmm.gated_linear: {linear}".replace("'none', ", "")

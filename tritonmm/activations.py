@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+ACTIVATIONS = ("none", "silu", "gelu", "gelu_tanh", "relu")
+"""The epilogue activations; the gated linear takes all but "none", in this order."""
+
+
+def check(activation, fn: str, allowed: tuple = ACTIVATIONS) -> None:
+    """Raise ValueError unless ``activation`` is one of ``allowed``; the message :func:`tritonmm.gated_linear`
+    gives too."""
+    if not isinstance(activation, str) or activation not in allowed:
+        raise ValueError(f"{fn}: unknown activation {activation!r}; expected one of {allowed}")
 
 
 def apply(x: torch.Tensor, activation: str, inplace: bool = False) -> torch.Tensor:

@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -150,7 +151,8 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
             only); default: tuned/autotuned.
 
     Forcing "triton" overrides the performance rules (size, tuned table), not the
-    capability rules: float64 or a CPU tensor outside the interpreter still go to torch.
+    capability rules: float64, or a CPU tensor outside the interpreter (``TRITON_INTERPRET=1``), still goes
+    to torch, with one UserWarning per such reason in a process.
 
     Raises:
         ValueError: unknown backend or kernel, a kernel or config the backend would ignore ("padded"
@@ -224,6 +226,9 @@ def _capability(dtype: torch.dtype, device: torch.device) -> str | None:
     return None
 
 
+_warned: set = set()  # the reasons a forced Triton backend fell to torch that were warned about
+
+
 def kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, str, tuple]:
     """(kernel, reason, copies) for a call that goes to Triton (``want``: a forced kernel, or "auto")."""
     M, N, K, batch = plan.M, plan.N, plan.K, plan.batch
@@ -261,6 +266,10 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
     backend, kernel, config = forced()  # first: a bad environment value is reported for every call
     why_not = _capability(dtype, device)
     if why_not:
+        if backend == "triton" and why_not not in _warned:
+            _warned.add(why_not)
+            warnings.warn(f"tritonmm: backend forced to triton, but torch serves this call and every call like it: "
+                          f"{why_not}", UserWarning, stacklevel=2)
         return Decision("torch", None, why_not)
     M, N, K, batch = plan.M, plan.N, plan.K, plan.batch
     if M == 0 or N == 0 or batch == 0:

@@ -50,7 +50,8 @@ from .gated_cublas import serves
 from .api import linear, torch_planned
 from .gated import gated_linear, torch_serves
 from .modes import PLAIN
-from .nn import _original_forward, _settled_forward, settle, settled_class, subclassable
+from .nn import _original_forward, _settled_forward, reduce_as_base, require_module, settle, settled_class, \
+    subclassable
 from .plain_modules import MISSING as _MISSING
 from .plain_modules import MODULE_CALL as _MODULE_CALL
 from .plain_modules import any_hooked as _any_hooked
@@ -172,7 +173,7 @@ def _unbiased_weight(up):
 def _fused_forward(self, x):
     mods = self._modules
     gate, up, act, down = mods.get("gate_proj"), mods.get("up_proj"), mods.get("act_fn"), mods.get("down_proj")
-    if type(x) is not _Proxy and gate is not None and up is not None and down is not None:  # (fx records modules)
+    if not isinstance(x, _Proxy) and gate is not None and up is not None and down is not None:  # (fx records modules)
         compiling = _is_compiling()
         if not compiling and (torch_serves(x, _param(gate, "weight", None), _unbiased_weight(up))
                               or not _kernel_dtype_device(x)):
@@ -238,13 +239,23 @@ _fused_classes: dict[type, type] = {}
 
 
 def _new_fused(base: type) -> nn.Module:
-    """Unpickling helper: an uninitialised instance of the fused class of ``base`` (state follows)."""
+    """Unpickling helper of earlier releases: an uninitialised instance of the fused class of ``base``."""
     return object.__new__(_fused_class(base))
 
 
+def _rebuilt_fused(base: type, fn, args) -> nn.Module:
+    """Unpickling helper: ``fn(*args)`` (its class's reduction), given the fused class of ``base``."""
+    module = fn(*args)
+    if type(module) is base:
+        object.__setattr__(module, "__class__", _fused_class(base))
+    return module
+
+
 def _fused_reduce_ex(self, protocol):
-    reduced = nn.Module.__reduce_ex__(self, protocol)
-    return (_new_fused, (type(self).__dict__["_tritonmm_fused_base"],), qkv.state(self, reduced[2]), *reduced[3:])
+    reduced = reduce_as_base(self, protocol, "_tritonmm_fused_base", _rebuilt_fused)
+    if isinstance(reduced, tuple) and len(reduced) > 2:
+        reduced = (*reduced[:2], qkv.state(self, reduced[2]), *reduced[3:])
+    return reduced
 
 
 def _fused_class(cls: type) -> type:
@@ -290,7 +301,11 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
 
     Returns:
         The same ``model`` object.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
     """
+    require_module(model, "fuse")
     for fqn, module in model.named_modules():
         kind = _kind(type(module))
         unfused = kind is None and subclassable(type(module))
@@ -322,7 +337,11 @@ def unfuse(model: nn.Module, unpack: bool = True) -> nn.Module:
 
     Returns:
         The same ``model`` object.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
     """
+    require_module(model, "unfuse")
     for module in model.modules():
         base = type(module).__dict__.get("_tritonmm_fused_base")
         if base is not None:

@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 from . import api as _api
 from . import dispatch
 from ._env import raw_env
-from .activations import ACTIVATIONS
+from .activations import check as check_activation
 from .api import (_BACKEND, _KERNEL, _PLAIN, _F_linear, _any_autocast, _dynamo_compiling, _forced,  # the fast
                   _grad_enabled, _plans_get, _tracing_state, linear)  # path's bound callables
 
@@ -55,8 +55,7 @@ class TritonLinear(nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, activation="none"):
-        if not isinstance(activation, str) or activation not in ACTIVATIONS:
-            raise ValueError(f"TritonLinear: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        check_activation(activation, "TritonLinear")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.activation = activation
 
@@ -217,14 +216,38 @@ dispatch.STATE_HOOKS.append(_unsettle_all)
 
 
 def _new_swapped(base: type) -> nn.Module:
-    """Unpickling helper: an uninitialised instance of the swapped class of ``base`` (state follows)."""
+    """Unpickling helper of earlier releases: an uninitialised instance of the swapped class of ``base``."""
     return object.__new__(_swapped_class(base))
 
 
+def reduce_as_base(module, protocol: int, mark: str, rebuild) -> tuple | str:
+    """``module``'s reduction (pickle, ``copy``, ``torch.save``) as its class before tritonmm's (``type(module)``'s
+    ``mark`` attribute) reduces its instances, through that class's own ``__reduce_ex__`` or ``__reduce__`` if it
+    has one: tritonmm's classes in its callable and arguments replaced by that class, and the callable wrapped as
+    ``rebuild(base, callable, args)``, which gives the object tritonmm's class again (the generated classes need not
+    be importable). State and items follow as the class's reduction gives them."""
+    base = type(module).__dict__[mark]
+    reduced = base.__reduce_ex__(module, protocol)
+    if not isinstance(reduced, tuple):  # the name of a global: pickled by reference, as the class pickles it
+        return reduced
+
+    def own(c):
+        return c.__dict__[mark] if isinstance(c, type) and mark in c.__dict__ else c
+
+    args = tuple(own(a) for a in reduced[1]) if isinstance(reduced[1], tuple) else reduced[1]
+    return (rebuild, (base, own(reduced[0]), args), *reduced[2:])
+
+
+def _rebuilt_swapped(base: type, fn, args) -> nn.Module:
+    """Unpickling helper: ``fn(*args)`` (its class's reduction), given the swapped class of ``base``."""
+    module = fn(*args)
+    if type(module) is base:
+        object.__setattr__(module, "__class__", _swapped_class(base))
+    return module
+
+
 def _swapped_reduce_ex(self, protocol):
-    # pickle / torch.save / deepcopy: rebuild through _new_swapped, so the generated class need not be importable
-    reduced = nn.Module.__reduce_ex__(self, protocol)
-    return (_new_swapped, (type(self).__dict__["_tritonmm_base"],), *reduced[2:])
+    return reduce_as_base(self, protocol, "_tritonmm_base", _rebuilt_swapped)
 
 
 def _swapped_class(cls: type) -> type:
@@ -239,6 +262,12 @@ def _swapped_class(cls: type) -> type:
         settled_class(swapped, _settled_forward, lambda name, value: name in ("weight", "bias"))
         _swap_classes[cls] = swapped
     return _swap_classes[cls]
+
+
+def require_module(model, fn: str) -> None:
+    """Raise TypeError unless ``model``, the argument of ``tritonmm.<fn>``, is an nn.Module."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tritonmm.{fn}(): argument 'model' must be an nn.Module, not {type(model).__name__}")
 
 
 def _runs_linear_forward(module: nn.Module) -> bool:
@@ -259,11 +288,16 @@ def swap_linear(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str],
             are lazy or parametrized modules, which change their own class, nor classes with an
             ``__init_subclass__`` of their own); default: all of them.
 
-    Swapped models pickle (``torch.save(model)``) and deep-copy as swapped models.
+    Swapped models pickle (``torch.save(model)``) and deep-copy as swapped models; a class's own ``__reduce__`` or
+    ``__reduce_ex__`` still makes the copy.
 
     Returns:
         The same ``model`` object.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
     """
+    require_module(model, "swap_linear")
     for fqn, module in model.named_modules():
         if "_tritonmm_patched" in type(module).__dict__:
             _unsettle(module)  # a patched, settled module: swapped from its own class
@@ -284,7 +318,11 @@ def unswap_linear(model: nn.Module) -> nn.Module:
 
     Returns:
         The same ``model`` object.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
     """
+    require_module(model, "unswap_linear")
     for module in model.modules():
         cls = type(module)
         base = cls.__dict__.get("_tritonmm_base")

@@ -9,6 +9,10 @@ formula (:mod:`tritonmm.grads`) whose GEMMs run through tritonmm again, and auto
 CPU) that cast floating inputs to the autocast dtype as torch.matmul / F.linear do. Two opaque helper
 ops, ``tritonmm::kernel_matmul`` and ``tritonmm::kernel_linear``, run a given Triton kernel and config:
 traced graphs use them where ``wrap_triton`` cannot serve (Triton's interpreter, batched problems).
+
+The schemas name the arguments as tritonmm 0.1.0 did (``a``, ``b``; ``x``, ``weight``, ``bias``, ``activation``),
+not as torch does (``input``, ``other``; ``input``, ...): ``torch.export.load`` finds a saved program's arguments by
+these names. Their errors name torch's argument as well.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ def _decomposed(body):
 
 @torch.library.custom_op("tritonmm::matmul", mutates_args=())
 def _matmul_op(a: Tensor, b: Tensor) -> Tensor:
-    routes._require_tensor("a", a, "matmul")  # (the dispatcher passes None for a Tensor argument)
-    routes._require_tensor("b", b, "matmul")
+    routes._require_tensor("a", a, "matmul", "input")  # (the dispatcher passes None for a Tensor argument)
+    routes._require_tensor("b", b, "matmul", "other")
     return runners.matmul(a, b)
 
 
@@ -56,7 +60,7 @@ _matmul_op.register_autograd(grads.matmul_backward, setup_context=grads.matmul_s
 
 @torch.library.custom_op("tritonmm::linear", mutates_args=())
 def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
-    routes._require_tensor("x", x, "linear")
+    routes._require_tensor("x", x, "linear", "input")
     routes._require_tensor("weight", weight, "linear")
     return runners.linear(x, weight, bias, activation)
 

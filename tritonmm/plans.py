@@ -4,9 +4,15 @@
 ``torch.matmul`` itself after one lookup; :mod:`tritonmm.routes` makes the plans where a call resolved to
 torch. A plan only ever chooses torch's own call, so a stale one costs a missed Triton route, never a wrong
 result.
+
+A plan lives as long as its weight: a weak reference's callback removes it when the weight's Python object is
+freed, so no other object that comes to have the same ``id`` (an fx Proxy, say) finds it.
 """
 
 from __future__ import annotations
+
+import functools
+import weakref
 
 import torch
 from torch import Tensor
@@ -31,6 +37,22 @@ autograd), else 0; ``rows`` (a set where ``free`` is 0, else None): the element 
 weight's dtype (``dtype``, as planned) whose forward resolved to torch itself (:func:`torch_rows`)."""
 free_ptrs: dict = {}
 """id(weight) -> data_ptr of the weights whose plan is 2: the first lookup of :mod:`tritonmm.api`'s calls."""
+_refs: dict = {}  # id(weight) -> a weak reference to the weight whose callback drops its plan
+
+
+def _dropped(key: int, ref) -> None:
+    """The weight of ``key``'s plan was freed: forget the plan (unless a later weight's reference took its place)."""
+    if _refs.get(key) is ref:
+        _refs.pop(key, None)
+        plans.pop(key, None)
+        free_ptrs.pop(key, None)
+
+
+def clear() -> None:
+    """Forget every plan."""
+    plans.clear()
+    free_ptrs.clear()
+    _refs.clear()  # (a reference freed before its weight never calls back)
 
 
 def plan(weight: Tensor, N: int, K: int) -> None:
@@ -44,16 +66,18 @@ def plan(weight: Tensor, N: int, K: int) -> None:
             or _tracing_state() is not None:
         return  # (functorch's batched tensors are plain tensors without storage; a jit trace makes none)
     if len(plans) >= PLANS_MAX:
-        plans.clear()
-        free_ptrs.clear()
+        clear()
     dtype, device = weight.dtype, weight.device
     free = 2 if dispatch.weight_free(N, K, dtype, device) else int(dispatch.weight_free(N, K, dtype, device, False))
-    ptr = weight.data_ptr()
-    plans[id(weight)] = (free, ptr, weight.shape, None if free else set(), dtype)
+    ptr, key = weight.data_ptr(), id(weight)
+    ref = _refs.get(key)
+    if ref is None or ref() is not weight:
+        _refs[key] = weakref.ref(weight, functools.partial(_dropped, key))
+    plans[key] = (free, ptr, weight.shape, None if free else set(), dtype)
     if free == 2:
-        free_ptrs[id(weight)] = ptr
+        free_ptrs[key] = ptr
     else:
-        free_ptrs.pop(id(weight), None)
+        free_ptrs.pop(key, None)
 
 
 def planned(weight: Tensor) -> bool:

@@ -28,7 +28,8 @@ from torch.fx import Proxy as _Proxy
 from . import activations, dispatch, first_sight, grads, modes, runners, shapes
 from ._env import raw_get, raw_name
 from .layout import tag as layout_tag
-from .plans import free_ptrs, plan, planned, plans, torch_rows
+from .plans import free_ptrs, plan, planned, plans, torch_rows  # noqa: F401 (free_ptrs, plans: read by tests)
+from .plans import clear as _clear_plans
 
 CACHE_MAX = 4096
 _cache: dict = {}
@@ -342,9 +343,12 @@ def _matmul_entry(key, a: Tensor, b: Tensor, autocast):
     return _deferred(fn) if later else _remember(key, fn)
 
 
-def _require_tensor(name: str, value, op: str) -> None:
+def _require_tensor(name: str, value, op: str, torch_name: str = "") -> None:
+    """Raise TypeError unless ``value``, argument ``name`` of ``tritonmm.<op>``, is a Tensor (the message also names
+    ``torch_name``, torch's name of the argument, where it differs)."""
     if not isinstance(value, Tensor):
-        raise TypeError(f"tritonmm.{op}(): argument '{name}' must be Tensor, not {type(value).__name__}")
+        also = f" (torch's '{torch_name}')" if torch_name else ""
+        raise TypeError(f"tritonmm.{op}(): argument '{name}'{also} must be Tensor, not {type(value).__name__}")
 
 
 def matmul_keyed(input: Tensor, other: Tensor) -> Tensor:
@@ -420,5 +424,4 @@ def clear() -> None:
     """Forget every route and weight plan."""
     _cache.clear()
     direct.clear()
-    plans.clear()
-    free_ptrs.clear()
+    _clear_plans()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .activations import ACTIVATIONS
+from .activations import check as check_activation
 
 
 def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str = "matmul") -> None:
@@ -62,8 +62,7 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -
     Where F.linear serves the call itself (:func:`torch_form`) only the activation is checked here: F.linear
     checks the rest.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"tritonmm.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check_activation(activation, "tritonmm.linear")
     if torch_form(x, weight, bias):
         return
     if not isinstance(weight, torch.Tensor):
