@@ -183,3 +183,128 @@ def test_geometries_record_fused_mlps_gated_linears(bias):
     assert ("float32", 6, 32, 48, "nt") in _got(suite)
     suite = capture.geometries(_mlp(), torch.randn(2, 32))
     assert suite["gated"] == []
+
+
+def test_geometries_find_example_inputs_in_tuples_and_dicts():
+    """An example input that requires grad inside a tuple, list or dict gets its input-gradient GEMM recorded."""
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(32, 48), nn.Linear(24, 16)
+
+        def forward(self, inputs, extra):
+            return self.first(inputs["x"][0]).sum() + self.second(extra[1]).sum()
+
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 32, requires_grad=True), torch.randn(3, 24, requires_grad=True)
+    suite = capture.geometries(Nested(), {"x": (x,)}, extra=[torch.randn(2), y])
+    got = _got(suite)
+    assert ("float32", 5, 32, 48, "nn") in got and ("float32", 3, 24, 16, "nn") in got  # grad @ W per input
+    assert x.grad is None and y.grad is None
+
+
+def test_geometries_leave_the_models_buffers_and_the_random_state_as_they_were():
+    """The recorded pass runs in the model's mode (train here: BatchNorm updates its running statistics and
+    Dropout draws random numbers); afterwards the buffers and torch's random state are as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 8))
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    buffers = dict(model.named_buffers())
+    x = torch.randn(6, 32) + 3
+    state = torch.get_rng_state()
+    suite = capture.geometries(model, x)
+    assert ("float32", 6, 16, 32, "nt") in _got(suite) and model.training
+    for name, b in model.named_buffers():
+        assert b is buffers[name] and torch.equal(b, before[name]), name
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+FAKE_SIG = {"capability": [8, 9], "sms": 7, "triton": "9.9.9"}  # no shipped table matches it
+FAKE_TABLE = tuned.table_name(FAKE_SIG, "GPU")
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    """tune_model and ``python -m tritonmm.tune --user`` on a CPU machine: a GPU named "GPU" whose measurements
+    (``measured``: the problems measured) take no time; this machine's tables in ``tmp_path / "user"``."""
+    measured = []
+
+    def measure_shape(shape, dtype, layout, args, gen):
+        measured.append((shape["M"], shape["N"], shape["K"]))
+        return {"tag": shape["tag"], "M": shape["M"], "N": shape["N"], "K": shape["K"],
+                "dtype": str(dtype).removeprefix("torch."), "layout": layout, "torch_us": 12.0, "configs": []}
+
+    generator = torch.Generator
+    monkeypatch.setenv("TRITONMM_TUNED_DIR", str(tmp_path / "user"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch, "Generator", lambda device=None: generator())
+    monkeypatch.setattr(tuned, "device_signature", lambda device: dict(FAKE_SIG))
+    monkeypatch.setattr(tune, "measure_shape", measure_shape)
+    tritonmm.clear_cache()
+    yield measured
+    monkeypatch.undo()
+    tritonmm.clear_cache()
+
+
+def _tune_user(tmp_path):
+    suite = tmp_path / "suite.json"
+    suite.write_text(json.dumps({"shapes": [{"tag": "model", "M": 4, "N": 16, "K": 32, "dtype": "float32",
+                                             "layout": "nt"}]}))
+    return tune.main(["--shapes", str(suite), "--user"])
+
+
+def _tune_model():
+    with torch.no_grad():
+        return tritonmm.tune_model(nn.Linear(32, 16), torch.randn(4, 32))
+
+
+NEW_KEY = tuned.entry_key(torch.float32, 4, 16, 32, "nt")
+
+
+@pytest.mark.parametrize("how", ["tune --user", "tune_model"])
+def test_tuning_keeps_the_valid_entries_of_a_table_with_an_invalid_one(fake_gpu, tmp_path, how):
+    """As first-sight tuning's merge: a table entry that no longer validates is dropped with a warning, the
+    others kept, and the new entries and measurements added."""
+    cublas = {"backend": "torch", "kernel": None, "config": None, "torch_us": 10.0}
+    stale = {"backend": "triton", "kernel": "pointer", "config": {"BLOCK_M": 64}, "torch_us": 10.0, "triton_us": 5.0}
+    valid = {f"bfloat16:{m}:64:64:nt": cublas for m in (1, 16, 32, 64, 128)}
+    path = tmp_path / "user" / FAKE_TABLE
+    path.parent.mkdir()
+    path.write_text(json.dumps({"format": tuned.FORMAT, "device": "GPU", **FAKE_SIG, "torch": "2.13",
+                                "entries": {**valid, "bfloat16:256:64:64:nt": stale}, "measurements": []}))
+    with pytest.warns(RuntimeWarning, match="bfloat16:256:64:64:nt"):
+        assert (_tune_user(tmp_path) if how == "tune --user" else _tune_model()["measured"]) in (0, 1)
+    assert fake_gpu == [(4, 16, 32)]
+    table = json.loads(path.read_text())
+    assert set(table["entries"]) == {*valid, NEW_KEY}
+    assert [(r["M"], r["N"], r["K"]) for r in table["measurements"]] == [(4, 16, 32)]
+
+
+@pytest.mark.parametrize("how", ["tune --user", "tune_model"])
+def test_tuning_moves_a_corrupt_table_aside(fake_gpu, tmp_path, how):
+    path = tmp_path / "user" / FAKE_TABLE
+    path.parent.mkdir()
+    path.write_text('{"format": 1, "entries": {')
+    with pytest.warns(RuntimeWarning, match="moved tuned table"):
+        _tune_user(tmp_path) if how == "tune --user" else _tune_model()
+    assert path.with_name(path.name + ".bad").read_text() == '{"format": 1, "entries": {'
+    assert set(json.loads(path.read_text())["entries"]) == {NEW_KEY}
+
+
+def test_tuning_into_an_unwritable_directory(fake_gpu, tmp_path, monkeypatch, capsys):
+    """tune_model warns and keeps its entries in this process, as first-sight tuning does; ``tune --user`` says so
+    before measuring and exits 2."""
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the directory should be")
+    monkeypatch.setenv("TRITONMM_TUNED_DIR", str(blocked))
+    assert _tune_user(tmp_path) == 2 and fake_gpu == []
+    assert "cannot write" in capsys.readouterr().err
+    with pytest.warns(RuntimeWarning, match="hold in this process"):
+        result = _tune_model()
+    assert fake_gpu == [(4, 16, 32)] and result["measured"] == 1 and result["table"] is None
+    assert tuned.measured(torch.device("cuda", 0), torch.float32, 4, 16, 32, "nt")
+    assert _tune_model()["measured"] == 0  # the entry holds in this process

@@ -197,12 +197,18 @@ def clear_cache() -> None:
     """Forget every cached decision, runner, weight plan and tuned table read (so a new table or
     environment variable takes effect everywhere, settled swapped layers included) and free this
     thread's workspace buffers."""
-    routes.clear()
-    runners.clear_cache()
     configs.clear()
-    gated.clear_cache()
     dispatch._tuned.clear()
     first_sight.forget()
+    forget_decisions()
+
+
+def forget_decisions() -> None:
+    """Forget every cached decision, runner and weight plan (settled layers unsettle), keeping the tuned tables
+    read and the entries this process added to them (:func:`tritonmm.tune_model` after measuring)."""
+    routes.clear()
+    runners.clear_cache()
+    gated.clear_cache()
     dispatch.state_changed()
 
 

@@ -13,6 +13,7 @@ measures row-major A only.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -95,27 +96,68 @@ def _scalar_output(out):
     return None
 
 
+def _tensors(item) -> list:
+    """The tensors in ``item``, looking into tuples, lists and mappings (a model's example inputs)."""
+    found, stack = [], [item]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return found
+
+
+def _buffers(model) -> list:
+    """(module, name, buffer, copy of its value) for each buffer of ``model`` (none where it is not a module)."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    with torch.no_grad():
+        return [(m, name, b, b.clone()) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+
+
+def _restore(saved: list) -> None:
+    """Put back each buffer :func:`_buffers` saved: the same tensor object, holding its saved value."""
+    with torch.no_grad():
+        for module, name, buffer, value in saved:
+            module._buffers[name] = buffer
+            if buffer.is_inference():
+                with torch.inference_mode():
+                    buffer.copy_(value)
+            else:
+                buffer.copy_(value)
+
+
 def geometries(model, *args, **kwargs) -> dict:
     """The GEMM geometries of ``model(*args, **kwargs)``, forward and (where the output requires grad)
     backward, as a shape suite for ``python -m tritonmm.tune --shapes`` (``json.dump`` it to save it).
 
-    The backward runs through ``torch.autograd.grad`` into the parameters and example inputs that
-    require grad, as ``loss.backward()`` would, but writes no ``.grad``.
+    The forward runs in the model's current mode (``train()`` or ``eval()``); the model's buffers (BatchNorm's
+    running statistics, say) and torch's random number generators (CPU and CUDA) are as they were afterwards.
+    The backward runs through ``torch.autograd.grad`` into the parameters and the example inputs that require
+    grad (also inside tuples, lists and dicts), as ``loss.backward()`` would, but writes no ``.grad``.
 
     Returns:
         dict: ``{"shapes": [{"tag", "M", "N", "K", "dtype", "layout", "calls"}...], "skipped_transposed_a": n,
         "gated": [{"M", "N", "K", "dtype", "activation", "bias", "calls"}...]}`` (the gated linears of fused MLPs).
     """
     rec = _Recorder()
-    with rec:
-        out = model(*args, **kwargs)
-        scalar = _scalar_output(out) if torch.is_grad_enabled() else None
-        if scalar is not None:
-            params = [p for p in (model.parameters() if hasattr(model, "parameters") else ()) if p.requires_grad]
-            leaves = [t for t in (*args, *kwargs.values())  # example inputs that want a gradient get one computed
-                      if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
-            if params or leaves:
-                torch.autograd.grad(scalar, params + leaves, allow_unused=True)
+    saved = _buffers(model)
+    try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []), \
+                rec:
+            out = model(*args, **kwargs)
+            scalar = _scalar_output(out) if torch.is_grad_enabled() else None
+            if scalar is not None:
+                params = [p for p in (model.parameters() if hasattr(model, "parameters") else ()) if p.requires_grad]
+                leaves = [t for t in dict.fromkeys(_tensors((args, kwargs)))  # example inputs that want a gradient
+                          if t.requires_grad and t.is_leaf]
+                if params or leaves:
+                    torch.autograd.grad(scalar, params + leaves, allow_unused=True)
+    finally:
+        _restore(saved)
     shapes = [{"tag": "model", "M": M, "N": N, "K": K, "dtype": dtype, "layout": layout, "calls": calls}
               for (dtype, M, N, K, layout), calls in rec.rows.items()]
     gated = [{"M": M, "N": N, "K": K, "dtype": dtype, "activation": act, "bias": bias, "calls": calls}

@@ -30,9 +30,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import sys
 import time
+import warnings
 
 import torch
 
@@ -173,16 +175,6 @@ def measure_shape(shape: dict, dtype, layout: str, args, gen) -> dict:
     return res
 
 
-def merge_measurements(old: list[dict], new: list[dict]) -> list[dict]:
-    """``old`` measurements except those of a (dtype, M, N, K, layout) that ``new`` measures again,
-    then ``new``: a table re-tuned with ``--merge`` keeps one record per problem."""
-    def ident(r):
-        return r["dtype"], r["M"], r["N"], r["K"], r.get("layout", "nn")
-
-    again = {ident(r) for r in new}
-    return [r for r in old if ident(r) not in again] + new
-
-
 def decide_entries(measured: list[dict], min_gain: float, min_gain_us: float) -> dict:
     """Table entries from measurements: grouped by table key (:func:`tuned.entry_key`), one :func:`tuned.choose` each."""
     from . import tuned
@@ -243,13 +235,10 @@ def _unmeasured(work: list[tuple], device) -> list[tuple]:
     return [(s, d, lay) for s, d, lay in work if not tuned.measured(device, d, s["M"], s["N"], s["K"], lay)]
 
 
-def _measure_and_write(work: list[tuple], args, path: pathlib.Path, merge: bool) -> dict:
-    """Measure ``work``, decide the entries and write (or merge into) the table at ``path``."""
-    from . import tuned
-
+def _measure(work: list[tuple], args) -> list[dict]:
+    """Measure ``work`` (:func:`measure_shape` each, up to ``--time-limit``), printing a line per problem."""
     if any(d == torch.float32 for _, d, _ in work):  # as in the benchmark: float32 rows are TF32 rows (the
         torch.backends.cuda.matmul.allow_tf32 = True  # dispatcher sends float32 to cuBLAS whenever TF32 is off)
-    device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
     measured = []
@@ -267,25 +256,48 @@ def _measure_and_write(work: list[tuple], args, path: pathlib.Path, merge: bool)
               f"{best['us'] if best else float('nan'):9.1f} us  ratio "
               f"{r['torch_us'] / best['us'] if best else float('nan'):5.2f}  failed {len(failed)}", flush=True)
         torch.cuda.empty_cache()
+    return measured
 
+
+def _fields(args, name: str) -> dict:
+    """A table's top-level values besides its format, GPU signature, entries and measurements."""
+    return {"device": name, "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "rep_ms": args.rep, "min_gain": args.min_gain, "min_gain_us": args.min_gain_us}
+
+
+def _measure_and_write(work: list[tuple], args, path: pathlib.Path, merge: bool) -> dict:
+    """Measure ``work``, decide the entries and write the table at ``path``, or with ``merge`` add them to it
+    (:func:`tuned.merge_entries`); OSError where it could not be written."""
+    from . import tuned
+
+    t0 = time.time()
+    measured = _measure(work, args)
     entries = decide_entries(measured, args.min_gain, args.min_gain_us)
+    device = torch.device("cuda", torch.cuda.current_device())
     sig = tuned.device_signature(device)
     name = torch.cuda.get_device_name(device)
-    with tuned.locked(path):  # (first-sight tuning in other processes merges into the same table)
-        if merge and path.is_file():
-            old = tuned.read_table(path)
-            if old:
-                entries = {**old["entries"], **entries}
-                measured = merge_measurements(old.get("measurements", []), measured)
-        table = {"format": tuned.FORMAT, "device": name, **sig, "torch": torch.__version__,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "rep_ms": args.rep, "min_gain": args.min_gain,
-                 "min_gain_us": args.min_gain_us, "entries": entries, "measurements": measured}
-        tuned.atomic_write_text(path, json.dumps(table, indent=1))  # readers never see half a table
+    fields = _fields(args, name)
+    if merge:
+        entries = tuned.merge_entries(path, sig, name, entries, measured, fields)
+    else:
+        with tuned.locked(path):  # (first-sight tuning in other processes merges into the same table)
+            table = {"format": tuned.FORMAT, "device": name, **sig, **fields, "entries": entries,
+                     "measurements": measured}
+            tuned.atomic_write_text(path, json.dumps(table, indent=1))  # readers never see half a table
     wins = sum(e["backend"] == "triton" for e in entries.values())
     print(f"wrote {path}: {len(entries)} entries, Triton wins {wins}, cuBLAS {len(entries) - wins}; "
           f"{time.time() - t0:.0f} s")
     return {"table": path, "measured": len(measured), "entries": len(entries), "triton": wins}
+
+
+def _writable(path: pathlib.Path) -> str | None:
+    """Why the table at ``path`` cannot be written (its directory cannot be made or written to), or None."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return str(exc)
+    return None if os.access(path.parent, os.W_OK) else f"{path.parent} is not writable"
 
 
 def _table_path(out: pathlib.Path) -> pathlib.Path:
@@ -318,25 +330,33 @@ def main(argv=None) -> int:
         work = _unmeasured(work, torch.device("cuda", torch.cuda.current_device()))
         print(f"{len(work)} problems not yet in a table of this GPU and Triton release", file=sys.stderr)
     path = _table_path(args.out or (tuned.user_dir() if args.user else tuned.tuned_dir()))
-    _measure_and_write(work, args, path, merge=args.merge or args.user)
+    why_not = _writable(path)
+    if why_not:  # (before measuring for minutes)
+        print(f"python -m tritonmm.tune: error: cannot write {path}: {why_not}", file=sys.stderr)
+        return 2
+    try:
+        _measure_and_write(work, args, path, merge=args.merge or args.user)
+    except OSError as exc:
+        print(f"python -m tritonmm.tune: error: could not write {path}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
 def tune_model(model, *example_args, **example_kwargs) -> dict:
     """Tune every GEMM ``model(*example_args, **example_kwargs)`` runs, forward and backward, ahead of time.
 
-    Records the geometries of one pass (:func:`tritonmm.capture.geometries`; the backward through
-    ``torch.autograd.grad``, so no ``.grad`` is written), measures those that no table of this GPU
-    and Triton release holds (every candidate config of each kernel against cuBLAS, as ``python -m
-    tritonmm.tune``; seconds per geometry; fused MLPs' gated linears the gated kernel may serve as first-sight
-    tuning measures them, :mod:`tritonmm.gated_tuning`) and merges the winners into this machine's table
-    (:func:`tritonmm.tuned.user_dir`), which later processes read. Then clears tritonmm's caches so the
-    table takes effect. A second call with the same geometries measures nothing.
+    Records the geometries of one pass (:func:`tritonmm.capture.geometries`: in the model's current mode, its
+    buffers and torch's random state restored, no ``.grad`` written), measures those that no table of this GPU and
+    Triton release holds (every candidate config of each kernel against cuBLAS, as ``python -m tritonmm.tune``;
+    seconds per geometry; fused MLPs' gated linears the gated kernel may serve as first-sight tuning measures them,
+    :mod:`tritonmm.gated_tuning`) and merges the winners into this machine's table (:func:`tritonmm.tuned.record`),
+    which later processes read; where it cannot be written, a RuntimeWarning says so and they hold in this process.
+    Then forgets the decisions made before, so they take effect. A second call measures nothing.
 
     Returns:
         dict: ``geometries`` (recorded GEMMs), ``measured`` (new ones, ``gated`` of them gated linears),
-        ``table`` (its path, or None when nothing was measured), ``entries`` and ``triton`` (entries of that
-        table, and how many choose Triton).
+        ``table`` (its path, or None when nothing was measured or it could not be written), ``entries`` and
+        ``triton`` (entries of that table, and how many choose Triton).
 
     Raises:
         RuntimeError: no CUDA GPU (there is nothing to measure).
@@ -349,22 +369,29 @@ def tune_model(model, *example_args, **example_kwargs) -> dict:
     args = parse_args([])
     device = torch.device("cuda", torch.cuda.current_device())
     work = _unmeasured(_work(suite["shapes"], args), device)
-    result = {"geometries": len(suite["shapes"]), "measured": 0, "table": None, "entries": 0, "triton": 0}
+    result = {"geometries": len(suite["shapes"]), "measured": 0, "table": None, "entries": 0, "triton": 0, "gated": 0}
     if work:
-        result.update(_measure_and_write(work, args, _table_path(tuned.user_dir()), merge=True))
-    result["gated"] = 0
+        measured = _measure(work, args)
+        result["measured"] = len(measured)
+        entries = decide_entries(measured, args.min_gain, args.min_gain_us)
+        try:
+            tuned.record(device, entries, measured, _fields(args, torch.cuda.get_device_name(device)))
+        except OSError as exc:  # as first-sight tuning: the entries hold in this process
+            warnings.warn(f"tritonmm.tune_model: could not write this machine's tuned table ({exc}); the "
+                          f"{len(entries)} entries measured hold in this process only", RuntimeWarning, stacklevel=2)
     for g in suite["gated"]:  # fused MLPs' gated linears the gated kernel may serve: measured as at first sight
         M, N, K = g["M"], g["N"], g["K"]
         if gated.kernel_rows(M, N, K, False) and gated_tuning.tune(device, DTYPES[g["dtype"]], M, N, K,
                                                                    g["activation"], g["bias"]) is not None:
             result["gated"] += 1
-    if result["gated"]:
-        result["measured"] += result["gated"]
-        result["table"] = path = _table_path(tuned.user_dir())
-        entries = (tuned.read_table(path) or {"entries": {}})["entries"]
-        result.update(entries=len(entries), triton=sum(e["backend"] == "triton" for e in entries.values()))
+    result["measured"] += result["gated"]
     if result["measured"]:
-        api.clear_cache()
+        path = _table_path(tuned.user_dir())
+        table = tuned.read_table(path) if path.is_file() else None
+        if table is not None:
+            result.update(table=path, entries=len(table["entries"]),
+                          triton=sum(e["backend"] == "triton" for e in table["entries"].values()))
+        api.forget_decisions()
     return result
 
 

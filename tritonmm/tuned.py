@@ -176,12 +176,16 @@ MAX_FIRST_SIGHT = 4096
 """First-sight entries (:mod:`tritonmm.first_sight`) a machine's table keeps; the oldest go first."""
 
 
-def merge_entries(path: pathlib.Path, sig: dict, device_name: str, entries: dict) -> None:
-    """Add ``entries`` (table key -> entry) to the table at ``path``, under :func:`locked`, written with
-    :func:`atomic_write_text`. At most :data:`MAX_FIRST_SIGHT` first-sight entries are kept. A file
-    there that is not a table of this GPU and Triton release (``sig``), unreadable or of another GPU or
-    release, is moved aside to ``<name>.bad`` with one warning; a table entry that does not validate
-    (a config of another candidate list, say) is dropped with one warning, the others kept.
+def merge_entries(path: pathlib.Path, sig: dict, device_name: str, entries: dict, measurements: list = (),
+                  fields: dict | None = None) -> dict:
+    """Add ``entries`` (table key -> entry) and ``measurements`` (as ``python -m tritonmm.tune`` stores them; one per
+    problem, the newest kept) to the table at ``path``, set its top-level ``fields`` (the tuner's margins, say), under
+    :func:`locked`, written with :func:`atomic_write_text`: the one way tritonmm adds to a table (first-sight tuning,
+    :func:`tritonmm.tune_model`, ``python -m tritonmm.tune --user`` and ``--merge``). At most
+    :data:`MAX_FIRST_SIGHT` first-sight entries are kept. A file there that is not a table of this GPU and Triton
+    release (``sig``), unreadable or of another GPU or release, is moved aside to ``<name>.bad`` with one warning; a
+    table entry that does not validate (a config of another candidate list, say) is dropped with one warning, the
+    others kept. Returns the entries written.
 
     Raises:
         ValueError: an entry of ``entries`` is malformed (nothing is written).
@@ -194,6 +198,7 @@ def merge_entries(path: pathlib.Path, sig: dict, device_name: str, entries: dict
         if table is None:
             table = {"format": FORMAT, "device": device_name, **sig, "torch": torch.__version__,
                      "entries": {}, "measurements": []}
+        table.update(fields or {})
         old = table["entries"]
         for key in entries:
             old.pop(key, None)  # a re-measured key moves to the end: the newest
@@ -201,7 +206,21 @@ def merge_entries(path: pathlib.Path, sig: dict, device_name: str, entries: dict
         first_sight = [k for k, e in old.items() if "first_sight_s" in e]
         for key in first_sight[:max(0, len(first_sight) - MAX_FIRST_SIGHT)]:
             del old[key]
+        if measurements:
+            kept = table.get("measurements")
+            table["measurements"] = merge_measurements(kept if isinstance(kept, list) else [], list(measurements))
         atomic_write_text(path, json.dumps(table, indent=1))
+    return old
+
+
+def merge_measurements(old: list, new: list) -> list:
+    """``old`` measurements except those of a (dtype, M, N, K, layout) that ``new`` measures again (and those that
+    are not records), then ``new``: a table keeps one record per problem."""
+    def ident(r):
+        return r.get("dtype"), r.get("M"), r.get("N"), r.get("K"), r.get("layout", "nn")
+
+    again = {ident(r) for r in new}
+    return [r for r in old if isinstance(r, dict) and ident(r) not in again] + new
 
 
 def _mergeable(path: pathlib.Path, sig: dict) -> dict | None:
@@ -230,9 +249,9 @@ def _mergeable(path: pathlib.Path, sig: dict) -> dict | None:
     return table
 
 
-def record(device: torch.device, entries: dict) -> pathlib.Path:
-    """Add ``entries`` to the entries this process decides with and to this machine's table of ``device``
-    (:func:`user_dir`, :func:`merge_entries`); returns the table's path.
+def record(device: torch.device, entries: dict, measurements: list = (), fields: dict | None = None) -> pathlib.Path:
+    """Add ``entries`` to the entries this process decides with and, with ``measurements`` and ``fields``, to this
+    machine's table of ``device`` (:func:`user_dir`, :func:`merge_entries`); returns the table's path.
 
     Raises:
         OSError: the table could not be written (the entries hold in this process all the same).
@@ -243,7 +262,7 @@ def record(device: torch.device, entries: dict) -> pathlib.Path:
     sig = device_signature(device)
     name = torch.cuda.get_device_name(device)
     path = user_dir() / table_name(sig, name)
-    merge_entries(path, sig, name, entries)
+    merge_entries(path, sig, name, entries, measurements, fields)
     return path
 
 
