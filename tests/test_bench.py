@@ -209,7 +209,10 @@ def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert all(r["torch_us"] > 0 and r["tritonmm_us"] > 0 for r in data["per_call"])
     plans = {r["row"]: r.get("weight_plan") for r in data["per_call"]}  # CPU weights: torch serves every GEMM
     assert plans["F.linear, grad"] == plans["matmul, no_grad"] == "free for every GEMM"
-    capsys.readouterr()
+    printed = capsys.readouterr()  # the phase table once (the report, stdout); progress names the phases (stderr)
+    both = printed.out + printed.err
+    assert both.count("(off time / on time)") == 1 and both.count("eager prefill 1 x 16") == 1
+    assert "model tiny: eager" in printed.err
     assert bench.main(["--from-json", str(out), "--markdown"]) == 0
     assert "| tiny | eager prefill 1 x 16 |" in capsys.readouterr().out
 
@@ -377,12 +380,12 @@ def test_per_call_cost_cancels_the_place_in_a_round(monkeypatch):
 
 
 def test_mlp_benchmark_without_a_gpu_and_its_json(tmp_path, capsys):
-    """--mlp needs a GPU (it says so and exits 0); a --mlp JSON replays as a table and as Markdown."""
+    """--mlp needs a GPU (it says so and exits 2); a --mlp JSON replays as a table and as Markdown."""
     import torch
 
     if not torch.cuda.is_available():
-        assert bench.main(["--mlp"]) == 0
-        assert "No CUDA GPU" in capsys.readouterr().err
+        assert bench.main(["--mlp"]) == 2
+        assert "none is available" in capsys.readouterr().err
     row = {"config": "tinyllama", "hidden": 2048, "intermediate": 5632, "tokens": 16, "eager_ms": 0.1,
            "fused_ms": 0.05, "fused_ratio": 2.0, "unpacked_ratio": 1.8, "kernel_ratio": 1.9, "bound_ratio": 2.1,
            "compile_ratio": 0.5}
@@ -392,6 +395,23 @@ def test_mlp_benchmark_without_a_gpu_and_its_json(tmp_path, capsys):
     assert "| tinyllama (2048 / 5632) | 16 | 0.100 | 2.00x | 1.80x | 1.90x | 2.10x | 0.50x | - |" in capsys.readouterr().out
     assert bench.main(["--from-json", str(run)]) == 0
     assert "tinyllama" in capsys.readouterr().out
+
+
+def test_commands_without_a_cpu_version_exit_2_without_a_gpu(capsys):
+    """One rule, stated in the README: a command with nothing to run on the CPU exits 2 with a message; the shape
+    benchmark runs its interpreter check and ignores the options of a GPU measurement."""
+    import torch
+
+    from tritonmm import tune
+
+    if torch.cuda.is_available():
+        pytest.skip("the rule without a GPU")
+    for argv, main in ((["--mlp"], bench.main), (["--first-sight"], bench.main), ([], tune.main)):
+        assert main(argv) == 2, argv
+        assert "CUDA GPU; none is available here" in capsys.readouterr().err, argv
+    readme = " ".join((pathlib.Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "ignores the options of a GPU measurement (`--json`, `--csv`, `--plot` among them" in readme
+    assert "(`bench --mlp`, `bench --first-sight`, `python -m tritonmm.tune`) exit with status 2" in readme
 
 
 @pytest.mark.parametrize("name", ["h200.json", "h200_model.json", "h200_mlp.json"])

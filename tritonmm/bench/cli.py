@@ -26,8 +26,10 @@ shared GPU's clocks hits both alike and each follows the same work.
 in, alternated in one process (:mod:`tritonmm.bench.model`), and the per-call host cost of each entry point.
 
 Without a GPU it runs small problems through Triton's interpreter on every kernel path, checks
-them against float64 references and says that timings need a GPU; ``--model`` runs a tiny model on
-the CPU and prints the per-call rows.
+them against float64 references and says that timings need a GPU (options that shape a GPU measurement,
+``--json``, ``--csv``, ``--plot`` and the others, are ignored, with a note); ``--model`` runs a tiny model on
+the CPU and prints the per-call rows. ``--mlp`` and ``--first-sight``, which have no CPU version, exit with
+status 2 and a message, as ``python -m tritonmm.tune`` does.
 """
 
 from __future__ import annotations
@@ -157,13 +159,19 @@ def model_main(args) -> int:
         def measured(rows):  # the phases so far, on disk: a run stopped later keeps them
             _write_json(args, {"phases": rows, "per_call": [], "partial": True}, facts)
 
-        result = model.run(device, args.rounds, args.model_configs, args.model_phases,
-                           progress=lambda m: print(m, file=sys.stderr, flush=True),
+        result = model.run(device, args.rounds, args.model_configs, args.model_phases, progress=_status,
                            measured=measured if args.json else None)
     model.print_report(result)
     if args.json:
         _write_json(args, result)
     return 0
+
+
+def _status(message: str) -> None:
+    """The model benchmark's progress, to stderr: what it measures now (``model <config>: <phase>``, ``measuring
+    ...``), not the table's lines, which its report prints once at the end."""
+    if message.startswith(("model ", "measuring ")):
+        print(message, file=sys.stderr, flush=True)
 
 
 def _write_json(args, result: dict, facts: dict | None = None) -> None:
@@ -176,11 +184,11 @@ def _write_json(args, result: dict, facts: dict | None = None) -> None:
 
 
 def mlp_main(args) -> int:
-    """``--mlp``: the MLP-block benchmark (GPU only: without one it says so)."""
+    """``--mlp``: the MLP-block benchmark (GPU only: without one it says so and returns 2)."""
     if not torch.cuda.is_available():
-        print("No CUDA GPU: the MLP benchmark times GPU kernels; run it on a GPU. CPU tests cover the fused "
-              "kernels' values (pytest tests/test_gated.py).", file=sys.stderr)
-        return 0
+        print("python -m tritonmm.bench --mlp times GPU kernels on a CUDA GPU; none is available here. CPU tests "
+              "cover the fused kernels' values (pytest tests/test_gated.py).", file=sys.stderr)
+        return 2
     warm_up_gpu()
     rows = mlp.run(torch.device("cuda"), args.rounds, args.mlp_configs, args.tokens,
                    progress=lambda m: print(m, file=sys.stderr, flush=True))
@@ -191,11 +199,11 @@ def mlp_main(args) -> int:
 
 
 def first_sight_main(args) -> int:
-    """``--first-sight``: first-sight tuning measured (GPU only: without one it says so)."""
+    """``--first-sight``: first-sight tuning measured (GPU only: without one it says so and returns 2)."""
     if not torch.cuda.is_available():
-        print("No CUDA GPU: first-sight tuning measures GPU kernels; run it on a GPU. CPU tests cover its "
-              "decisions and table (pytest tests/test_first_sight.py).", file=sys.stderr)
-        return 0
+        print("python -m tritonmm.bench --first-sight measures GPU kernels on a CUDA GPU; none is available here. "
+              "CPU tests cover its decisions and table (pytest tests/test_first_sight.py).", file=sys.stderr)
+        return 2
     from . import first_sight
 
     warm_up_gpu()
