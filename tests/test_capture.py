@@ -238,7 +238,6 @@ def fake_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITONMM_TUNED_DIR", str(tmp_path / "user"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch, "Generator", lambda device=None: generator())

@@ -8,7 +8,7 @@ import torch
 from tritonmm import dispatch, layout, tuned
 from tritonmm.shapes import plan
 from tritonmm.testing import randn
-from tritonmm.tuned import merge_measurements
+from tritonmm.tune import merge_measurements
 from tritonmm.tuned import choose
 
 A = {"BLOCK_M": 16, "BLOCK_N": 64}

@@ -118,6 +118,15 @@ def _buffers(model) -> list:
         return [(m, name, b, b.clone()) for m in model.modules() for name, b in m._buffers.items() if b is not None]
 
 
+def _cuda_devices(model) -> list:
+    """The CUDA devices whose random state the pass may change: the current one and those of the model's tensors
+    (none before CUDA is initialized)."""
+    if not torch.cuda.is_initialized():
+        return []
+    tensors = [*model.parameters(), *model.buffers()] if isinstance(model, torch.nn.Module) else []
+    return sorted({torch.cuda.current_device(), *(t.device.index for t in tensors if t.is_cuda)})
+
+
 def _restore(saved: list) -> None:
     """Put back each buffer :func:`_buffers` saved: the same tensor object, holding its saved value."""
     with torch.no_grad():
@@ -135,7 +144,8 @@ def geometries(model, *args, **kwargs) -> dict:
     backward, as a shape suite for ``python -m tritonmm.tune --shapes`` (``json.dump`` it to save it).
 
     The forward runs in the model's current mode (``train()`` or ``eval()``); the model's buffers (BatchNorm's
-    running statistics, say) and torch's random number generators (CPU and CUDA) are as they were afterwards.
+    running statistics, say) and torch's random number generators (the CPU's, the current GPU's and those of the
+    model's GPUs) are as they were afterwards.
     The backward runs through ``torch.autograd.grad`` into the parameters and the example inputs that require
     grad (also inside tuples, lists and dicts), as ``loss.backward()`` would, but writes no ``.grad``.
 
@@ -146,8 +156,7 @@ def geometries(model, *args, **kwargs) -> dict:
     rec = _Recorder()
     saved = _buffers(model)
     try:
-        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []), \
-                rec:
+        with torch.random.fork_rng(devices=_cuda_devices(model)), rec:
             out = model(*args, **kwargs)
             scalar = _scalar_output(out) if torch.is_grad_enabled() else None
             if scalar is not None:

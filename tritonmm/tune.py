@@ -175,6 +175,27 @@ def measure_shape(shape: dict, dtype, layout: str, args, gen) -> dict:
     return res
 
 
+def merge_measurements(old: list, new: list[dict]) -> list[dict]:
+    """``old`` measurements except those of a (dtype, M, N, K, layout) that ``new`` measures again (and what is not a
+    measurement), then ``new``: a table keeps one record per problem."""
+    def ident(r):
+        return r.get("dtype"), r.get("M"), r.get("N"), r.get("K"), r.get("layout", "nn")
+
+    again = {ident(r) for r in new}
+    return [r for r in old if isinstance(r, dict) and ident(r) not in again] + new
+
+
+def _adding(measured: list[dict], args, name: str):
+    """What :func:`tuned.merge_entries` calls on the table it writes: the tuner's fields set, ``measured`` merged in."""
+    def update(table: dict) -> None:
+        kept = table.get("measurements")
+        table.update(device=name, torch=torch.__version__, rep_ms=args.rep, min_gain=args.min_gain,
+                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     min_gain_us=args.min_gain_us,
+                     measurements=merge_measurements(kept if isinstance(kept, list) else [], measured))
+    return update
+
+
 def decide_entries(measured: list[dict], min_gain: float, min_gain_us: float) -> dict:
     """Table entries from measurements: grouped by table key (:func:`tuned.entry_key`), one :func:`tuned.choose` each."""
     from . import tuned
@@ -259,13 +280,6 @@ def _measure(work: list[tuple], args) -> list[dict]:
     return measured
 
 
-def _fields(args, name: str) -> dict:
-    """A table's top-level values besides its format, GPU signature, entries and measurements."""
-    return {"device": name, "torch": torch.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "rep_ms": args.rep, "min_gain": args.min_gain, "min_gain_us": args.min_gain_us}
-
-
 def _measure_and_write(work: list[tuple], args, path: pathlib.Path, merge: bool) -> dict:
     """Measure ``work``, decide the entries and write the table at ``path``, or with ``merge`` add them to it
     (:func:`tuned.merge_entries`); OSError where it could not be written."""
@@ -277,13 +291,12 @@ def _measure_and_write(work: list[tuple], args, path: pathlib.Path, merge: bool)
     device = torch.device("cuda", torch.cuda.current_device())
     sig = tuned.device_signature(device)
     name = torch.cuda.get_device_name(device)
-    fields = _fields(args, name)
     if merge:
-        entries = tuned.merge_entries(path, sig, name, entries, measured, fields)
+        entries = tuned.merge_entries(path, sig, name, entries, _adding(measured, args, name))
     else:
         with tuned.locked(path):  # (first-sight tuning in other processes merges into the same table)
-            table = {"format": tuned.FORMAT, "device": name, **sig, **fields, "entries": entries,
-                     "measurements": measured}
+            table = {"format": tuned.FORMAT, "device": name, **sig, "entries": entries}
+            _adding(measured, args, name)(table)
             tuned.atomic_write_text(path, json.dumps(table, indent=1))  # readers never see half a table
     wins = sum(e["backend"] == "triton" for e in entries.values())
     print(f"wrote {path}: {len(entries)} entries, Triton wins {wins}, cuBLAS {len(entries) - wins}; "
@@ -375,7 +388,7 @@ def tune_model(model, *example_args, **example_kwargs) -> dict:
         result["measured"] = len(measured)
         entries = decide_entries(measured, args.min_gain, args.min_gain_us)
         try:
-            tuned.record(device, entries, measured, _fields(args, torch.cuda.get_device_name(device)))
+            tuned.record(device, entries, _adding(measured, args, torch.cuda.get_device_name(device)))
         except OSError as exc:  # as first-sight tuning: the entries hold in this process
             warnings.warn(f"tritonmm.tune_model: could not write this machine's tuned table ({exc}); the "
                           f"{len(entries)} entries measured hold in this process only", RuntimeWarning, stacklevel=2)

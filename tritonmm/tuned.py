@@ -1,19 +1,16 @@
 """Per-GPU tables of measured winners (``configs/tuned/*.json``), written by ``python -m tritonmm.tune``.
 
-A table belongs to one GPU kind and one Triton release: it records the compute
-capability, the SM count and the Triton version it was measured with. It is used where all three
-match; a table of the same GPU kind measured with another Triton release is a prior
-(:func:`prior_entry`): its cuBLAS and padded entries hold, its Triton winners only with a margin. Each entry names, for a dtype, a bucketed M (M = 1 has its own
-key, :func:`m_key`), an exact N and K and the operand layouts: the backend chosen (a Triton kernel
-and its config, cuBLAS on zero-padded aligned copies (backend "torch", kernel "padded"), or
-torch.matmul/cuBLAS), which is the fastest measured except that a Triton kernel or the padded path
-must beat cuBLAS by the tuner's ``--min-gain`` and ``--min-gain-us``, and both times in µs
-(``triton_us``: the entry's kernel). A table that cannot be read or
-parsed is skipped with one warning.
+A table belongs to one GPU kind and one Triton release: it records the compute capability, the SM count and the
+Triton version it was measured with. It is used where all three match; a table of the same GPU kind measured with
+another Triton release is a prior (:func:`prior_entry`): its cuBLAS and padded entries hold, its Triton winners only
+with a margin. Each entry names, for a dtype, a bucketed M (M = 1 has its own key, :func:`m_key`), an exact N and K
+and the operand layouts: the backend chosen (a Triton kernel and its config, cuBLAS on zero-padded aligned copies
+(backend "torch", kernel "padded"), or torch.matmul/cuBLAS), which is the fastest measured except that a Triton
+kernel or the padded path must beat cuBLAS by the tuner's ``--min-gain`` and ``--min-gain-us``, and both times in µs
+(``triton_us``: the entry's kernel). A table that cannot be read or parsed is skipped with one warning.
 
-This machine's table (:func:`user_dir`) also holds the entries of first-sight tuning
-(:mod:`tritonmm.first_sight`, marked ``first_sight_s``: the seconds they took), merged in under a file
-lock (:func:`merge_entries`).
+This machine's table (:func:`user_dir`) also holds the entries of first-sight tuning (:mod:`tritonmm.first_sight`,
+marked ``first_sight_s``: the seconds they took), merged in under a file lock (:func:`merge_entries`).
 """
 
 from __future__ import annotations
@@ -176,16 +173,12 @@ MAX_FIRST_SIGHT = 4096
 """First-sight entries (:mod:`tritonmm.first_sight`) a machine's table keeps; the oldest go first."""
 
 
-def merge_entries(path: pathlib.Path, sig: dict, device_name: str, entries: dict, measurements: list = (),
-                  fields: dict | None = None) -> dict:
-    """Add ``entries`` (table key -> entry) and ``measurements`` (as ``python -m tritonmm.tune`` stores them; one per
-    problem, the newest kept) to the table at ``path``, set its top-level ``fields`` (the tuner's margins, say), under
-    :func:`locked`, written with :func:`atomic_write_text`: the one way tritonmm adds to a table (first-sight tuning,
-    :func:`tritonmm.tune_model`, ``python -m tritonmm.tune --user`` and ``--merge``). At most
-    :data:`MAX_FIRST_SIGHT` first-sight entries are kept. A file there that is not a table of this GPU and Triton
-    release (``sig``), unreadable or of another GPU or release, is moved aside to ``<name>.bad`` with one warning; a
-    table entry that does not validate (a config of another candidate list, say) is dropped with one warning, the
-    others kept. Returns the entries written.
+def merge_entries(path: pathlib.Path, sig: dict, device_name: str, entries: dict, update=None) -> dict:
+    """Add ``entries`` (table key -> entry) to the table at ``path``, then call ``update(table)`` if given, under
+    :func:`locked`, written with :func:`atomic_write_text` (first-sight tuning, ``tune_model``, ``tune --user`` and
+    ``--merge``). At most :data:`MAX_FIRST_SIGHT` first-sight entries are kept. A file there that is not a table of
+    this GPU and Triton release (``sig``) is moved aside to ``<name>.bad`` with one warning; a table entry that does
+    not validate (a config of another candidate list, say) is dropped with one warning. Returns the entries written.
 
     Raises:
         ValueError: an entry of ``entries`` is malformed (nothing is written).
@@ -198,7 +191,6 @@ def merge_entries(path: pathlib.Path, sig: dict, device_name: str, entries: dict
         if table is None:
             table = {"format": FORMAT, "device": device_name, **sig, "torch": torch.__version__,
                      "entries": {}, "measurements": []}
-        table.update(fields or {})
         old = table["entries"]
         for key in entries:
             old.pop(key, None)  # a re-measured key moves to the end: the newest
@@ -206,21 +198,10 @@ def merge_entries(path: pathlib.Path, sig: dict, device_name: str, entries: dict
         first_sight = [k for k, e in old.items() if "first_sight_s" in e]
         for key in first_sight[:max(0, len(first_sight) - MAX_FIRST_SIGHT)]:
             del old[key]
-        if measurements:
-            kept = table.get("measurements")
-            table["measurements"] = merge_measurements(kept if isinstance(kept, list) else [], list(measurements))
+        if update is not None:
+            update(table)
         atomic_write_text(path, json.dumps(table, indent=1))
     return old
-
-
-def merge_measurements(old: list, new: list) -> list:
-    """``old`` measurements except those of a (dtype, M, N, K, layout) that ``new`` measures again (and those that
-    are not records), then ``new``: a table keeps one record per problem."""
-    def ident(r):
-        return r.get("dtype"), r.get("M"), r.get("N"), r.get("K"), r.get("layout", "nn")
-
-    again = {ident(r) for r in new}
-    return [r for r in old if isinstance(r, dict) and ident(r) not in again] + new
 
 
 def _mergeable(path: pathlib.Path, sig: dict) -> dict | None:
@@ -249,9 +230,9 @@ def _mergeable(path: pathlib.Path, sig: dict) -> dict | None:
     return table
 
 
-def record(device: torch.device, entries: dict, measurements: list = (), fields: dict | None = None) -> pathlib.Path:
-    """Add ``entries`` to the entries this process decides with and, with ``measurements`` and ``fields``, to this
-    machine's table of ``device`` (:func:`user_dir`, :func:`merge_entries`); returns the table's path.
+def record(device: torch.device, entries: dict, update=None) -> pathlib.Path:
+    """Add ``entries`` to the entries this process decides with and to this machine's table of ``device``
+    (:func:`user_dir`, :func:`merge_entries` with ``update``); returns the table's path.
 
     Raises:
         OSError: the table could not be written (the entries hold in this process all the same).
@@ -262,7 +243,7 @@ def record(device: torch.device, entries: dict, measurements: list = (), fields:
     sig = device_signature(device)
     name = torch.cuda.get_device_name(device)
     path = user_dir() / table_name(sig, name)
-    merge_entries(path, sig, name, entries, measurements, fields)
+    merge_entries(path, sig, name, entries, update)
     return path
 
 
