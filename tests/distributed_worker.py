@@ -10,12 +10,11 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import tritonmm  # noqa: E402  (imported before torch.distributed.tensor: registration must still happen)
-
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+
+import tritonmm  # noqa: E402  (imported before torch.distributed.tensor: registration must still happen)
 
 checks = 0
 
@@ -96,7 +95,7 @@ def main():
     parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     inp = torch.randn(4, 7, 6)
     calls = {"linear": 0, "matmul": 0}
-    from tritonmm import runners
+    from tritonmm.dispatch import runners
 
     def counting(name, fn):
         def wrapper(*args):

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritonmm
-from tritonmm import dispatch, routes, runners
-from tritonmm.testing import randn
+from tritonmm.core.reference import randn
+from tritonmm.dispatch import decide, runners
+from tritonmm.ops import routes
 
 pytestmark = pytest.mark.interpreter
 
@@ -62,7 +63,7 @@ def test_backward_only_route(monkeypatch):
     """A geometry whose forward is cuBLAS but whose backward GEMMs may reach Triton: calls without
     autograd go to F.linear itself, calls with autograd to tritonmm's Function."""
     answers = iter([True, False])  # forward: torch everywhere; backward: not
-    monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: next(answers))
+    monkeypatch.setattr(decide, "torch_everywhere", lambda problems, dtype, device: next(answers))
     x, w = randn(4, 16).requires_grad_(), randn(8, 16).requires_grad_()
     with torch.no_grad():
         y0 = tritonmm.linear(x, w)
@@ -383,22 +384,22 @@ def test_opcheck_kernel_ops(kernel):
 def test_padded_rule_needs_an_unaligned_k_or_n(monkeypatch):
     """The padded path is for unaligned K or N; aligned sizes stay plain cuBLAS, so the fast path can call
     torch directly for them."""
-    monkeypatch.setattr(dispatch._tuned, "entry", lambda device, dtype, p: None)
-    monkeypatch.setattr(dispatch._tuned, "has_kernel", lambda *a: False)
+    monkeypatch.setattr(decide._tuned, "entry", lambda device, dtype, p: None)
+    monkeypatch.setattr(decide._tuned, "has_kernel", lambda *a: False)
     cuda = torch.device("cuda")
     bf16 = torch.bfloat16
-    assert dispatch.torch_everywhere([(4096, 4096, 4096, 1)], bf16, cuda)
-    assert not dispatch.torch_everywhere([(4096, 4097, 4096, 1)], bf16, cuda)
-    assert dispatch.torch_everywhere([(16, 4097, 4096, 1)], bf16, cuda)  # memory-bound: no copies
-    assert not dispatch._pads(4096, 4096, 4096, bf16) and dispatch._pads(4096, 4096, 4095, bf16)
+    assert decide.torch_everywhere([(4096, 4096, 4096, 1)], bf16, cuda)
+    assert not decide.torch_everywhere([(4096, 4097, 4096, 1)], bf16, cuda)
+    assert decide.torch_everywhere([(16, 4097, 4096, 1)], bf16, cuda)  # memory-bound: no copies
+    assert not decide._pads(4096, 4096, 4096, bf16) and decide._pads(4096, 4096, 4095, bf16)
 
 
 @pytest.fixture
 def everything_torch(monkeypatch):
     """Dispatch as on a GPU whose table never picks Triton for these sizes (the interpreter otherwise
     sends every CPU call to Triton)."""
-    monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: True)
-    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device: True)
+    monkeypatch.setattr(decide, "torch_everywhere", lambda problems, dtype, device: True)
+    monkeypatch.setattr(decide, "weight_free", lambda N, K, dtype, device: True)
 
 
 def test_weight_plan_skips_the_key(everything_torch, monkeypatch):
@@ -433,7 +434,7 @@ def test_settled_layer_costs_nothing_and_unsettles(everything_torch, monkeypatch
     import copy
     import io
 
-    from tritonmm import nn as tnn
+    from tritonmm.modules import linear as tnn
 
     looked = []
     monkeypatch.setattr(tnn, "_plans_get", lambda k: looked.append(k) or routes.plans.get(k))
@@ -508,7 +509,7 @@ def test_patched_layers_settle_until_unpatched(everything_torch, monkeypatch):
 
     from torch.nn.utils import parametrize
 
-    from tritonmm import nn as tnn
+    from tritonmm.modules import linear as tnn
 
     looked = []
     monkeypatch.setattr(tnn, "_plans_get", lambda k: looked.append(k) or routes.plans.get(k))
@@ -594,7 +595,7 @@ def test_settled_layer_under_compile(everything_torch):
 
 def test_weight_plan_for_a_weight_that_may_reach_triton(monkeypatch):
     """A weight that is not free keeps taking the keyed route (here: to Triton for this M)."""
-    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device: False)
+    monkeypatch.setattr(decide, "weight_free", lambda N, K, dtype, device: False)
     w, x = randn(8, 16), randn(4, 16)
     with tritonmm.force_backend("torch"):
         tritonmm.linear(x, w)
@@ -606,7 +607,7 @@ def test_weight_plan_for_a_weight_that_may_reach_triton(monkeypatch):
 def test_weight_free_reads_every_gemm_of_the_weight(monkeypatch):
     """A table entry for the forward (N, K), the input gradient (K, N) or the weight gradient (M = N,
     N = K) of a weight takes it off the plan; entries for other sizes do not; unaligned sizes never plan."""
-    from tritonmm import tuned
+    from tritonmm.dispatch import tuned
 
     cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_stages": 4, "num_warps": 4}
     win = {"backend": "triton", "kernel": "pointer", "config": cfg, "triton_us": 10.0, "torch_us": 40.0}
@@ -615,7 +616,7 @@ def test_weight_free_reads_every_gemm_of_the_weight(monkeypatch):
     def free_with(key):
         monkeypatch.setattr(tuned, "_table_for", lambda index: {key: win})
         tuned.weight_used.cache_clear()
-        return dispatch.weight_free(512, 1024, torch.bfloat16, cuda)
+        return decide.weight_free(512, 1024, torch.bfloat16, cuda)
 
     assert not free_with("bfloat16:16:512:1024:nt")  # forward
     assert not free_with("float16:128:1024:512:nn")  # input gradient, sibling dtype
@@ -623,16 +624,16 @@ def test_weight_free_reads_every_gemm_of_the_weight(monkeypatch):
     assert free_with("bfloat16:16:512:2048:nt")  # another K
     assert free_with("float32:16:512:1024:nt")  # float32 entries do not touch a bfloat16 weight
     assert free_with("bfloat16:16:520:1024:nt")  # another N
-    assert not dispatch.weight_free(512, 1020, torch.bfloat16, cuda)  # K not 16-byte aligned
+    assert not decide.weight_free(512, 1020, torch.bfloat16, cuda)  # K not 16-byte aligned
     tuned.weight_used.cache_clear()
 
 
 def test_forward_only_plan(monkeypatch):
     """A weight free of tritonmm in its forward only (its gradients may reach Triton): calls without
     autograd are F.linear itself; calls that need gradients take the route, whose Function runs them."""
-    monkeypatch.setattr(dispatch, "torch_everywhere",
+    monkeypatch.setattr(decide, "torch_everywhere",
                         lambda problems, dtype, device: len(problems) == 1)  # the forward's list: torch
-    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device, backward=True: not backward)
+    monkeypatch.setattr(decide, "weight_free", lambda N, K, dtype, device, backward=True: not backward)
     keyed = []
     orig = routes.linear_keyed
     monkeypatch.setattr(routes, "linear_keyed", lambda *a: keyed.append(1) or orig(*a))
@@ -652,9 +653,9 @@ def test_sizes_whose_forward_resolved_to_torch_are_served_from_the_plan(entry, m
     forward resolved to torch is F.linear itself at its next call of as many input elements; other sizes,
     calls with autograd, under autocast or forced, of another dtype or with an activation take the route, and a
     moved weight or clear_cache forgets the sizes."""
-    monkeypatch.setattr(dispatch, "torch_everywhere",  # the forward at 12 rows goes to torch, all else to Triton
+    monkeypatch.setattr(decide, "torch_everywhere",  # the forward at 12 rows goes to torch, all else to Triton
                         lambda problems, dtype, device: len(problems) == 1 and problems[0][0] == 12)
-    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device, backward=True: False)
+    monkeypatch.setattr(decide, "weight_free", lambda N, K, dtype, device, backward=True: False)
     keyed = []
     orig = routes.linear_keyed
     monkeypatch.setattr(routes, "linear_keyed", lambda *a: keyed.append(a[0].shape) or orig(*a))
@@ -707,10 +708,10 @@ def test_sizes_kept_in_a_plan_serve_only_the_weight_as_planned_and_plain_inputs(
     sizes its plan keeps: the route decides, and explain agrees with what runs."""
     import torch.fx
 
-    monkeypatch.setattr(dispatch, "torch_everywhere",
+    monkeypatch.setattr(decide, "torch_everywhere",
                         lambda problems, dtype, device: len(problems) == 1 and problems[0][0] == 12
                         and dtype is torch.bfloat16)
-    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device, backward=True: False)
+    monkeypatch.setattr(decide, "weight_free", lambda N, K, dtype, device, backward=True: False)
     keyed = []
     orig = routes.linear_keyed
     monkeypatch.setattr(routes, "linear_keyed", lambda *a: keyed.append(a[0].shape) or orig(*a))
@@ -850,8 +851,8 @@ def test_fx_symbolic_trace_of_swapped_layers(settle, monkeypatch):
     """torch.fx records a swapped layer as tritonmm's op (a settled one as F.linear); the traced module
     computes what the model does."""
     if settle:
-        monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: True)
-        monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device: True)
+        monkeypatch.setattr(decide, "torch_everywhere", lambda problems, dtype, device: True)
+        monkeypatch.setattr(decide, "weight_free", lambda N, K, dtype, device: True)
     model = tritonmm.swap_linear(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
     x = randn(3, 8)
     if settle:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
-from tritonmm.testing import randn
+from tritonmm.core.reference import randn
 
 pytestmark = pytest.mark.interpreter
 
@@ -81,7 +81,7 @@ def test_backward_follows_the_forwards_forcing(monkeypatch):
     """force_backend around the forward also governs the backward GEMMs, on whichever thread autograd runs them."""
     import threading
 
-    from tritonmm import runners
+    from tritonmm.dispatch import runners
 
     seen = []
     lookup = runners.lookup

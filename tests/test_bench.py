@@ -91,7 +91,7 @@ def test_cpu_check_runs_the_interpreter_whatever_triton_interpret_said():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     run = subprocess.run([sys.executable, "-m", "tritonmm.bench"], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "TRITON_INTERPRET=0 set to 1" in run.stdout and run.stdout.count(" ok") == 30
-    fake = ("import tritonmm._env as e; e.interpreting = lambda: True\n"
+    fake = ("import tritonmm.core.env as e; e.interpreting = lambda: True\n"
             "from tritonmm.bench.cpu import cpu_check; raise SystemExit(cpu_check())")
     run = subprocess.run([sys.executable, "-c", fake], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and run.stdout.count("  FAIL\n") == 30  # every row, linears too
@@ -102,7 +102,7 @@ def test_main_without_gpu_names_the_flags_it_ignores(monkeypatch, capsys, tmp_pa
 
     if torch.cuda.is_available():
         pytest.skip("without a GPU only")
-    monkeypatch.setattr(bench, "cpu_check", lambda: 0)
+    monkeypatch.setattr(bench.cli, "cpu_check", lambda: 0)  # (what cli.main calls)
     assert bench.main(["--dtype", "float32", "--json", str(tmp_path / "r.json")]) == 0
     err = capsys.readouterr().err
     assert "--dtype, --json ignored" in err and not (tmp_path / "r.json").exists()
@@ -402,11 +402,11 @@ def test_commands_without_a_cpu_version_exit_2_without_a_gpu(capsys):
     benchmark runs its interpreter check and ignores the options of a GPU measurement."""
     import torch
 
-    from tritonmm import tune
+    from tritonmm.tune import cli as tune_cli
 
     if torch.cuda.is_available():
         pytest.skip("the rule without a GPU")
-    for argv, main in ((["--mlp"], bench.main), (["--first-sight"], bench.main), ([], tune.main)):
+    for argv, main in ((["--mlp"], bench.main), (["--first-sight"], bench.main), ([], tune_cli.main)):
         assert main(argv) == 2, argv
         assert "CUDA GPU; none is available here" in capsys.readouterr().err, argv
     readme = " ".join((pathlib.Path(__file__).parents[1] / "README.md").read_text().split())

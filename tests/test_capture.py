@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 import tritonmm
-from tritonmm import capture, tune, tuned
+from tritonmm.dispatch import tables, tuned
+from tritonmm.tune import capture, measure
+from tritonmm.tune import cli as tune_cli
 
 
 def _mlp(dtype=torch.float32):
@@ -81,7 +83,7 @@ def test_geometries_of_matmul_layouts_and_model_loss():
 
 
 def _table(triton, entries):
-    return json.dumps({"format": tuned.FORMAT, "device": "GPU", "capability": [9, 0], "sms": 132,
+    return json.dumps({"format": tables.FORMAT, "device": "GPU", "capability": [9, 0], "sms": 132,
                        "triton": triton, "torch": "2.11", "entries": entries})
 
 
@@ -133,10 +135,10 @@ def test_clear_cache_rereads_the_tables(monkeypatch):
 
 
 def test_work_list_uses_a_rows_own_dtype_and_layout():
-    args = tune.parse_args(["--dtype", "float16", "bfloat16", "--layout", "nn"])
+    args = tune_cli.parse_args(["--dtype", "float16", "bfloat16", "--layout", "nn"])
     shapes = [{"tag": "a", "M": 1, "N": 2, "K": 3},
               {"tag": "model", "M": 4, "N": 5, "K": 6, "dtype": "float32", "layout": "nt"}]
-    work = [(s["tag"], d, lay) for s, d, lay in tune._work(shapes, args)]
+    work = [(s["tag"], d, lay) for s, d, lay in measure._work(shapes, args)]
     assert work == [("a", torch.float16, "nn"), ("a", torch.bfloat16, "nn"), ("model", torch.float32, "nt")]
 
 
@@ -220,7 +222,7 @@ def test_geometries_leave_the_models_buffers_and_the_random_state_as_they_were()
 
 
 FAKE_SIG = {"capability": [8, 9], "sms": 7, "triton": "9.9.9"}  # no shipped table matches it
-FAKE_TABLE = tuned.table_name(FAKE_SIG, "GPU")
+FAKE_TABLE = tables.table_name(FAKE_SIG, "GPU")
 
 
 @pytest.fixture
@@ -242,7 +244,7 @@ def fake_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch, "Generator", lambda device=None: generator())
     monkeypatch.setattr(tuned, "device_signature", lambda device: dict(FAKE_SIG))
-    monkeypatch.setattr(tune, "measure_shape", measure_shape)
+    monkeypatch.setattr(measure, "measure_shape", measure_shape)
     tritonmm.clear_cache()
     yield measured
     monkeypatch.undo()
@@ -253,7 +255,7 @@ def _tune_user(tmp_path):
     suite = tmp_path / "suite.json"
     suite.write_text(json.dumps({"shapes": [{"tag": "model", "M": 4, "N": 16, "K": 32, "dtype": "float32",
                                              "layout": "nt"}]}))
-    return tune.main(["--shapes", str(suite), "--user"])
+    return tune_cli.main(["--shapes", str(suite), "--user"])
 
 
 def _tune_model():
@@ -273,7 +275,7 @@ def test_tuning_keeps_the_valid_entries_of_a_table_with_an_invalid_one(fake_gpu,
     valid = {f"bfloat16:{m}:64:64:nt": cublas for m in (1, 16, 32, 64, 128)}
     path = tmp_path / "user" / FAKE_TABLE
     path.parent.mkdir()
-    path.write_text(json.dumps({"format": tuned.FORMAT, "device": "GPU", **FAKE_SIG, "torch": "2.13",
+    path.write_text(json.dumps({"format": tables.FORMAT, "device": "GPU", **FAKE_SIG, "torch": "2.13",
                                 "entries": {**valid, "bfloat16:256:64:64:nt": stale}, "measurements": []}))
     with pytest.warns(RuntimeWarning, match="bfloat16:256:64:64:nt"):
         assert (_tune_user(tmp_path) if how == "tune --user" else _tune_model()["measured"]) in (0, 1)

@@ -5,7 +5,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tritonmm
-from tritonmm.testing import randn
+from tritonmm.core.reference import randn
 
 pytestmark = pytest.mark.interpreter
 

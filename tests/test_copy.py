@@ -9,9 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tritonmm
-from tritonmm import layout, padded
+from tritonmm.core import layout
+from tritonmm.core.reference import randn
+from tritonmm.dispatch import padded
 from tritonmm.kernels import copy as copy_kernel
-from tritonmm.testing import randn
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -98,7 +99,7 @@ def test_padded_path_same_with_torch_copies(monkeypatch, dtype, tb):
         tritonmm.clear_cache()  # runners are built per geometry: rebuild with torch's copies
         slow = tritonmm.matmul(a, b)
     assert torch.equal(bits(fast), bits(slow))
-    assert layout.padded_shape(tritonmm.shapes.plan(a, b), dtype) is not None
+    assert layout.padded_shape(tritonmm.core.shapes.plan(a, b), dtype) is not None
 
 
 @pytest.mark.gpu

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import tritonmm
-from tritonmm import dispatch
-from tritonmm.shapes import plan
-from tritonmm.testing import randn
+from tritonmm.core.reference import randn
+from tritonmm.core.shapes import plan
+from tritonmm.dispatch import decide
 
 CUDA = torch.device("cuda")
 
@@ -14,13 +14,13 @@ CUDA = torch.device("cuda")
 @pytest.fixture
 def fake_hopper(monkeypatch):
     """Rules for a CUDA device, evaluated on CPU-built plans: an sm_90 GPU with 132 SMs, no tuned table."""
-    monkeypatch.setattr(dispatch._device, "has_tma", lambda device: True)
-    monkeypatch.setattr(dispatch._device, "num_sms", lambda device: 132)
-    monkeypatch.setattr(dispatch._tuned, "entry", lambda device, dtype, p: None)
+    monkeypatch.setattr(decide._device, "has_tma", lambda device: True)
+    monkeypatch.setattr(decide._device, "num_sms", lambda device: 132)
+    monkeypatch.setattr(decide._tuned, "entry", lambda device, dtype, p: None)
 
 
 def decide_cuda(a, b):
-    return dispatch.decide(plan(a, b), a.dtype, CUDA)
+    return decide.decide(plan(a, b), a.dtype, CUDA)
 
 
 def test_cpu_without_interpreter_goes_to_torch(monkeypatch):
@@ -104,7 +104,7 @@ def test_untabled_rules_on_hopper(fake_hopper):
     d = decide_cuda(randn(1023, 1023, dtype=bf), randn(1023, 1023, dtype=bf))  # unaligned, too small to pay
     assert (d.backend, d.kernel) == ("torch", None)
     d = decide_cuda(randn(2047, 2047, dtype=bf), randn(2047, 2047, dtype=bf))  # the copies' host cost: cuBLAS
-    assert (d.backend, d.kernel) == ("torch", None) and 2 * 2047**3 < dispatch.PAD_MIN_FLOPS <= 2 * 2049**3
+    assert (d.backend, d.kernel) == ("torch", None) and 2 * 2047**3 < decide.PAD_MIN_FLOPS <= 2 * 2049**3
     d = decide_cuda(randn(200, 201, dtype=bf), randn(201, 200, dtype=bf))  # unaligned but small: cuBLAS
     assert d.backend == "torch" and d.kernel is None
     d = decide_cuda(randn(64, 4097, dtype=bf), randn(4097, 4097, dtype=bf))  # memory-bound: copies cost more
@@ -152,7 +152,7 @@ def test_forced_kernel_choice_on_hopper(fake_hopper):
 
 
 def test_no_tma_before_hopper(fake_hopper, monkeypatch):
-    monkeypatch.setattr(dispatch._device, "has_tma", lambda device: False)
+    monkeypatch.setattr(decide._device, "has_tma", lambda device: False)
     with tritonmm.force_backend("triton"):
         d = decide_cuda(randn(1024, 1024, dtype=torch.half), randn(1024, 1024, dtype=torch.half))
     assert d.kernel == "pointer"
@@ -161,7 +161,7 @@ def test_no_tma_before_hopper(fake_hopper, monkeypatch):
 
 
 def test_decision_str_names_backend_and_reason():
-    s = str(dispatch.Decision("torch", None, "because"))
+    s = str(decide.Decision("torch", None, "because"))
     assert "torch.matmul" in s and "because" in s
 
 
@@ -199,7 +199,7 @@ def test_forced_triton_on_cpu_outside_the_interpreter_warns_once(monkeypatch):
     import warnings
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(dispatch, "_warned", set(), raising=False)
+    monkeypatch.setattr(decide, "_warned", set(), raising=False)
     tritonmm.clear_cache()
     a, b = torch.randn(8, 12), torch.randn(12, 5)
     try:

@@ -47,7 +47,7 @@ def test_strategies_registered_after_late_import():
 def test_linear_rules_drop_partial_with_activation():
     from torch.distributed.tensor import Partial
 
-    from tritonmm.distributed import _linear_strategies
+    from tritonmm.ops.distributed import _linear_strategies
 
     x, w, b = torch.empty(3, 4, 6), torch.empty(10, 6), torch.empty(10)
     with_none = _linear_strategies(x, w, b, "none")
@@ -63,7 +63,7 @@ def test_linear_rules_replicate_a_bias_broadcast_over_the_output():
     everything replicated, as F.linear serves such calls."""
     from torch.distributed.tensor import Replicate
 
-    from tritonmm.distributed import _linear_strategies
+    from tritonmm.ops.distributed import _linear_strategies
 
     x, w = torch.empty(3, 4, 6), torch.empty(10, 6)
     for b in (torch.empty(4, 10), torch.empty(3, 4, 1)):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tritonmm
-from tritonmm.testing import randn
+from tritonmm.core.reference import randn
 
 KERNELS = ["tma", "pointer", "splitk"]
 
@@ -381,7 +381,7 @@ def test_weight_plans_die_with_their_weights(monkeypatch):
 
     import torch.fx
 
-    from tritonmm import plans
+    from tritonmm.dispatch import plans
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU weights: torch serves every GEMM, so plans are made
     tritonmm.clear_cache()
@@ -470,7 +470,7 @@ def test_unpatch_restores_another_librarys_patch():
     nn.Linear.forward = other_patch
     try:
         with tritonmm.patch_linear():
-            assert tritonmm.nn.is_linear_patched()
+            assert tritonmm.modules.linear.is_linear_patched()
         assert nn.Linear.forward is other_patch
         tritonmm.patch_linear()
         tritonmm.unpatch_linear()

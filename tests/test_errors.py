@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
-from tritonmm.testing import randn
+from tritonmm.core.reference import randn
 
 
 def _same_error(fn_tri, fn_ref):
@@ -89,7 +89,7 @@ def test_bad_environment_values_name_the_variable(monkeypatch, var, value):
     a, b = randn(8, 8), randn(8, 8)
     with pytest.raises(ValueError, match=var):
         if var == "TRITONMM_AUTOTUNE":
-            from tritonmm._env import autotune_enabled
+            from tritonmm.core.env import autotune_enabled
 
             autotune_enabled()
         else:
@@ -123,7 +123,7 @@ def test_triton_interpret_value_triton_would_not_read_is_an_error(monkeypatch, v
 
 @pytest.mark.parametrize("value,on", [("YES", True), ("y", True), ("On", True), ("n", False), ("", False)])
 def test_triton_interpret_reads_as_triton_does(monkeypatch, value, on):
-    from tritonmm._env import interpreting
+    from tritonmm.core.env import interpreting
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert interpreting() is on

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import tritonmm
-from tritonmm import dispatch, first_sight, layout, runners, tuned
+from tritonmm.core import layout
+from tritonmm.core.reference import randn
+from tritonmm.core.shapes import plan
+from tritonmm.dispatch import decide, first_sight, runners, tables, tuned
 from tritonmm.kernels import configs as cfg
-from tritonmm.shapes import plan
-from tritonmm.testing import randn
 
 SIG = {"capability": [9, 0], "sms": 132, "triton": "3.6.0"}
 CUDA0 = torch.device("cuda", 0)
@@ -91,7 +92,7 @@ def test_forcing_turns_it_off_but_auto_does_not(on, monkeypatch):
     calls = []
     monkeypatch.setattr(first_sight, "pending", lambda device, dtype, todo: calls.append(todo) or [])
     monkeypatch.setattr(first_sight, "deferred", lambda device, dtype, todo: False)
-    from tritonmm import routes
+    from tritonmm.ops import routes
     todo = [(4096, 4096, 4096, "nt")]
     monkeypatch.setenv("TRITONMM_BACKEND", "auto")
     monkeypatch.setenv("TRITONMM_KERNEL", "auto")
@@ -123,9 +124,9 @@ def test_problems_are_the_gemms_the_dispatcher_decides(op, monkeypatch):
     """The (M, N, K, layout) first sight measures for a call and its backward are the ones the
     dispatcher looks up when that call runs, forward and both gradients."""
     seen = []
-    decide = dispatch.decide
-    monkeypatch.setattr(dispatch, "decide", lambda p, dtype, device: seen.append(
-        (p.M, p.N, p.K, layout.tag(p))) or decide(p, dtype, device))
+    real = decide.decide
+    monkeypatch.setattr(decide, "decide", lambda p, dtype, device: seen.append(
+        (p.M, p.N, p.K, layout.tag(p))) or real(p, dtype, device))
     runners.clear_cache()
     tritonmm.clear_cache()
     x = randn(2, 12, 40).requires_grad_()
@@ -216,7 +217,7 @@ def test_measure_stops_compiling_at_the_budget_and_skips_short_gemms(monkeypatch
     assert len(built) == 2 and entry["backend"] == "triton"
     entry, built = _measure(monkeypatch, [first_sight.MIN_TORCH_US - 1], step=0.0)
     assert built == [] and entry["backend"] == "torch" and "too short" in entry["note"]
-    d = dispatch._table_decision({**entry, "first_sight_s": 0.1}, None, torch.bfloat16, "tuned table (first sight)")
+    d = decide._table_decision({**entry, "first_sight_s": 0.1}, None, torch.bfloat16, "tuned table (first sight)")
     assert d.backend == "torch" and "too short" in d.reason
 
 
@@ -226,7 +227,7 @@ def test_first_sight_entries_read_as_such(monkeypatch):
     win = {"backend": "triton", "kernel": "tma", "config": config, "torch_us": 200.0, "triton_us": 150.0,
            "first_sight_s": 0.4}
     monkeypatch.setattr(tuned, "_table_for", lambda index: {key: win})
-    d = dispatch._from_table(CUDA0, torch.bfloat16, plan(randn(2048, 512, dtype=torch.bfloat16),
+    d = decide._from_table(CUDA0, torch.bfloat16, plan(randn(2048, 512, dtype=torch.bfloat16),
                                                          randn(512, 1024, dtype=torch.bfloat16)))
     assert d.backend == "triton" and d.config == config and "measured at first sight" in d.reason
 
@@ -243,9 +244,9 @@ def test_first_sight_entries_written_with_a_smaller_margin_are_held_to_the_curre
             entry = {**win, "first_sight_s": 0.4} if first else win
             monkeypatch.setattr(tuned, "_table_for", lambda index: {key: entry})
             tuned.weight_used.cache_clear()
-            d = dispatch._from_table(CUDA0, torch.bfloat16, p)
+            d = decide._from_table(CUDA0, torch.bfloat16, p)
             assert d.backend == backend and ("first-sight tuning's margin" in d.reason) == first, str(d)
-            assert tuned.weight_used(0, (torch.bfloat16,), 1024, 512, dispatch.TRITON_MIN_SAVING_US) == (not first)
+            assert tuned.weight_used(0, (torch.bfloat16,), 1024, 512, decide.TRITON_MIN_SAVING_US) == (not first)
     finally:
         tuned.weight_used.cache_clear()
 
@@ -256,21 +257,21 @@ def _table(path):
 
 def test_merge_creates_updates_and_bounds_the_table(tmp_path, monkeypatch):
     path = tmp_path / "sub" / "t.json"
-    tuned.merge_entries(path, SIG, "GPU", {"bfloat16:16:64:64:nt": _entry(first_sight_s=0.1)})
-    got = tuned.read_table(path)
+    tables.merge_entries(path, SIG, "GPU", {"bfloat16:16:64:64:nt": _entry(first_sight_s=0.1)})
+    got = tables.read_table(path)
     assert got["triton"] == "3.6.0" and list(got["entries"]) == ["bfloat16:16:64:64:nt"]
-    tuned.merge_entries(path, SIG, "GPU", {"bfloat16:32:64:64:nt": _entry()})  # not first sight: never dropped
-    monkeypatch.setattr(tuned, "MAX_FIRST_SIGHT", 3)
+    tables.merge_entries(path, SIG, "GPU", {"bfloat16:32:64:64:nt": _entry()})  # not first sight: never dropped
+    monkeypatch.setattr(tables, "MAX_FIRST_SIGHT", 3)
     for m in (64, 128, 256, 512):
-        tuned.merge_entries(path, SIG, "GPU", {f"bfloat16:{m}:64:64:nt": _entry(first_sight_s=0.1)})
+        tables.merge_entries(path, SIG, "GPU", {f"bfloat16:{m}:64:64:nt": _entry(first_sight_s=0.1)})
     keys = list(_table(path)["entries"])
     assert "bfloat16:16:64:64:nt" not in keys and "bfloat16:64:64:64:nt" not in keys  # the oldest went
     assert set(keys) == {"bfloat16:32:64:64:nt", "bfloat16:128:64:64:nt", "bfloat16:256:64:64:nt",
                          "bfloat16:512:64:64:nt"}
-    tuned.merge_entries(path, SIG, "GPU", {"bfloat16:128:64:64:nt": _entry(7.0, first_sight_s=0.1)})
+    tables.merge_entries(path, SIG, "GPU", {"bfloat16:128:64:64:nt": _entry(7.0, first_sight_s=0.1)})
     assert list(_table(path)["entries"])[-1] == "bfloat16:128:64:64:nt"  # re-measured: the newest
     with pytest.raises(ValueError, match="backend"):
-        tuned.merge_entries(path, SIG, "GPU", {"bfloat16:1:64:64:nt": {"backend": "cuda"}})
+        tables.merge_entries(path, SIG, "GPU", {"bfloat16:1:64:64:nt": {"backend": "cuda"}})
     assert "bfloat16:1:64:64:nt" not in _table(path)["entries"]
     assert sorted(p.name for p in path.parent.iterdir()) == [".t.json.lock", "t.json"]  # no temporary file left
 
@@ -285,10 +286,10 @@ def test_a_corrupt_truncated_or_foreign_file_is_moved_aside_with_one_warning(tmp
     path.write_text(content)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tuned.merge_entries(path, SIG, "GPU", {"bfloat16:16:64:64:nt": _entry()})
+        tables.merge_entries(path, SIG, "GPU", {"bfloat16:16:64:64:nt": _entry()})
     assert len(caught) == 1 and "moved tuned table" in str(caught[0].message)
     assert (tmp_path / "t.json.bad").read_text() == content  # kept for the user to look at
-    got = tuned.read_table(path)
+    got = tables.read_table(path)
     assert got["capability"] == [9, 0] and got["triton"] == "3.6.0" and list(got["entries"]) == ["bfloat16:16:64:64:nt"]
 
 
@@ -299,7 +300,7 @@ def test_an_invalid_entry_is_dropped_and_the_others_kept(tmp_path):
                                 | {"bfloat16:32:64:64:nt": bad}}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tuned.merge_entries(path, SIG, "GPU", {"bfloat16:64:64:64:nt": _entry()})
+        tables.merge_entries(path, SIG, "GPU", {"bfloat16:64:64:64:nt": _entry()})
     assert len(caught) == 1 and "dropping" in str(caught[0].message)
     assert set(_table(path)["entries"]) == {"bfloat16:1:64:64:nt", "bfloat16:16:64:64:nt", "bfloat16:64:64:64:nt"}
 
@@ -308,14 +309,14 @@ def test_another_triton_releases_table_beside_it_is_left_alone(tmp_path):
     other = tmp_path / "h200-sm90-132sms-triton3.5.0.json"
     text = json.dumps({"format": 1, **SIG, "triton": "3.5.0", "entries": {"bfloat16:16:64:64:nt": _entry(3.0)}})
     other.write_text(text)
-    tuned.merge_entries(tmp_path / "h200-sm90-132sms-triton3.6.0.json", SIG, "GPU",
+    tables.merge_entries(tmp_path / "h200-sm90-132sms-triton3.6.0.json", SIG, "GPU",
                         {"bfloat16:16:64:64:nt": _entry()})
     assert other.read_text() == text
 
 
 def _writer(path, start, count):
     for i in range(start, start + count):
-        tuned.merge_entries(path, SIG, "GPU", {f"bfloat16:{i}:64:64:nt": _entry(first_sight_s=0.1)})
+        tables.merge_entries(path, SIG, "GPU", {f"bfloat16:{i}:64:64:nt": _entry(first_sight_s=0.1)})
 
 
 def test_concurrent_processes_keep_every_entry(tmp_path):
@@ -327,7 +328,7 @@ def test_concurrent_processes_keep_every_entry(tmp_path):
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    assert len(tuned.read_table(path)["entries"]) == 80
+    assert len(tables.read_table(path)["entries"]) == 80
 
 
 @pytest.fixture
@@ -345,7 +346,7 @@ def _cuda(*shape):
 
 @pytest.mark.gpu
 def test_gpu_a_new_geometry_is_measured_once_per_machine(gpu_table):
-    from tritonmm.testing import assert_matches_reference
+    from tritonmm.core.reference import assert_matches_reference
 
     x, w = _cuda(3000, 4096), _cuda(5000, 4096)
     assert "first-sight" in tritonmm.explain(x, w.t()).reason
@@ -353,7 +354,7 @@ def test_gpu_a_new_geometry_is_measured_once_per_machine(gpu_table):
     assert_matches_reference(tritonmm.linear(x, w), x, w.t())
     assert first_sight.stats["measured"] == before + 1
     (path,) = gpu_table.glob("*.json")
-    entry = tuned.read_table(path)["entries"][tuned.entry_key(torch.bfloat16, 3000, 5000, 4096, "nt")]
+    entry = tables.read_table(path)["entries"][tuned.entry_key(torch.bfloat16, 3000, 5000, 4096, "nt")]
     assert entry["first_sight_s"] > 0 and entry["torch_us"] > 0
     assert "measured at first sight" in tritonmm.explain(x, w.t()).reason
     assert_matches_reference(tritonmm.linear(x, w), x, w.t())
@@ -403,7 +404,7 @@ def test_gpu_nothing_is_measured_in_capture_or_compile_and_the_next_eager_call_m
     ("tuned table: cuBLAS measured faster (Triton 0.90x)", False),
 ])
 def test_explain_says_when_a_measurement_is_due(reason, noted, monkeypatch):
-    decision = dispatch.Decision("torch", None, reason)
+    decision = decide.Decision("torch", None, reason)
     monkeypatch.setattr(runners, "lookup", lambda *args: runners.Prepared(decision, None))
     monkeypatch.setattr(first_sight, "pending", lambda device, dtype, todo: todo)
     got = tritonmm.explain(randn(64, 64), randn(64, 64)).reason

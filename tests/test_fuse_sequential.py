@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tritonmm
-from tritonmm import fusion
-from tritonmm.testing import randn
+from tritonmm.core.reference import randn
+from tritonmm.modules import fusion
 
 pytestmark = pytest.mark.interpreter
 
@@ -67,7 +67,7 @@ def test_float64_runs_in_torch_and_equals_the_modules():
 
 
 def test_the_epilogue_runs_in_the_kernel_when_triton_serves(monkeypatch):
-    from tritonmm import activations
+    from tritonmm.core import activations
 
     seq = _mlp("silu")
     fused = tritonmm.fuse(copy.deepcopy(seq))
@@ -183,9 +183,9 @@ def test_compiled_fused_sequential_fullgraph(dynamic):
 
 def test_compiled_fused_sequential_compiles_once_for_one_shape(monkeypatch):
     """A trace neither reads nor fills the module-type cache: its first fill would fail the trace's guard."""
-    from tritonmm import plain_modules
+    from tritonmm.modules import plain
 
-    monkeypatch.setattr(plain_modules, "_linear_types", {})  # as in a fresh process
+    monkeypatch.setattr(plain, "_linear_types", {})  # as in a fresh process
     frames = []
 
     def backend(gm, example_inputs):
@@ -205,10 +205,10 @@ def test_settles_where_every_pair_goes_to_torch_and_unsettles(monkeypatch):
     picks Triton for them), the Sequential settles into nn.Sequential's forward after one call: no
     tritonmm code per call. Moving it, assigning a module, forcing and clear_cache bring the fused
     forward back; it pickles and unfuses as a fused module."""
-    from tritonmm import dispatch
+    from tritonmm.dispatch import decide
 
-    monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: True)
-    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device: True)
+    monkeypatch.setattr(decide, "torch_everywhere", lambda problems, dtype, device: True)
+    monkeypatch.setattr(decide, "weight_free", lambda N, K, dtype, device: True)
     tritonmm.clear_cache()
     seq = _mlp("gelu")
     ref = copy.deepcopy(seq)
@@ -248,24 +248,25 @@ def test_settles_where_every_pair_goes_to_torch_and_unsettles(monkeypatch):
 
 
 def test_no_settling_while_some_pair_can_reach_triton(monkeypatch):
-    from tritonmm import dispatch
+    from tritonmm.dispatch import decide
 
-    monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: True)
-    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, *args: N != 24)  # the second pair's weight: not free
+    monkeypatch.setattr(decide, "torch_everywhere", lambda problems, dtype, device: True)
+    monkeypatch.setattr(decide, "weight_free", lambda N, K, *args: N != 24)  # the second pair's weight: not free
     tritonmm.clear_cache()
     fused = tritonmm.fuse(_mlp("silu"))
     calls = _count_epilogues(monkeypatch)
     for _ in range(3):
         fused(randn(2, 48))
     assert calls == ["silu", "silu"] * 3 and "_tritonmm_unsettled" not in type(fused).__dict__
-    assert tritonmm.routes.plans[id(fused[0].weight)][0] == 2 and tritonmm.routes.plans[id(fused[3].weight)][0] == 0
+    plans = tritonmm.dispatch.plans.plans
+    assert plans[id(fused[0].weight)][0] == 2 and plans[id(fused[3].weight)][0] == 0
 
 
 def test_a_settled_root_sequential_compiles_fullgraph(monkeypatch):
-    from tritonmm import dispatch
+    from tritonmm.dispatch import decide
 
-    monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: True)
-    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, *args: True)
+    monkeypatch.setattr(decide, "torch_everywhere", lambda problems, dtype, device: True)
+    monkeypatch.setattr(decide, "weight_free", lambda N, K, *args: True)
     tritonmm.clear_cache()
     seq = _mlp("relu")
     ref = copy.deepcopy(seq)
@@ -280,10 +281,10 @@ def test_a_settled_root_sequential_compiles_fullgraph(monkeypatch):
 def test_a_slice_of_a_settled_sequential_is_unsettled(monkeypatch):
     """nn.Sequential's slicing builds ``type(self)(...)``: from a settled module it makes a fused one that
     follows forcing and clear_cache like any other."""
-    from tritonmm import dispatch
+    from tritonmm.dispatch import decide
 
-    monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: True)
-    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, *args: True)
+    monkeypatch.setattr(decide, "torch_everywhere", lambda problems, dtype, device: True)
+    monkeypatch.setattr(decide, "weight_free", lambda N, K, *args: True)
     tritonmm.clear_cache()
     fused = tritonmm.fuse(_mlp("gelu"))
     fused(randn(2, 48))

@@ -11,7 +11,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import tritonmm
-from tritonmm.testing import assert_matches_reference, randn
+from tritonmm.core.reference import assert_matches_reference, randn
 
 SMALL_PRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 31, 37, 61, 67, 97, 127, 131, 257]
 
@@ -92,7 +92,7 @@ def run_case(case, dtype, device, backend, kernel):
     if backend == "triton":
         assert decision.backend == "triton", str(decision)
     if kernel == "padded":  # cuBLAS on padded copies wherever a 2-D problem has an unaligned leading dim
-        from tritonmm import layout, shapes
+        from tritonmm.core import layout, shapes
 
         p = shapes.plan(a, b)
         if not (p.M and p.N and p.K and p.batch):

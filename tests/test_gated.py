@@ -10,13 +10,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import tritonmm
-from tritonmm import activations, gated
+from tritonmm.core import activations
+from tritonmm.core.reference import EPS, randn
+from tritonmm.dispatch import gated
 from tritonmm.kernels.gated_launchers import gated_launcher
-from tritonmm.testing import EPS, randn
+from tritonmm.ops import gated as gated_op
 
 pytestmark = pytest.mark.interpreter
 
-ACTS = list(gated.GATED_ACTIVATIONS)
+ACTS = list(gated_op.GATED_ACTIVATIONS)
 
 
 def ref64(x, wg, wu, bg=None, bu=None, act="silu"):
@@ -117,13 +119,13 @@ def test_no_grad_calls_replay_a_bound_launch_per_geometry():
     x, wg, wu, bg, bu = operands(9, 40, 48, bias=True)
     with torch.no_grad():
         tritonmm.gated_linear(x, wg, wu, bg, bu)
-        assert len(gated._fast) == 1
+        assert len(gated_op._fast) == 1
         for other in (randn(9, 48), randn(3, 3, 48), randn(9, 96)[:, ::2], randn(9, 48, dtype=torch.float16),
                       randn(9, 96)[:, :48], randn(3, 3, 96)[..., 48:]):  # (row-strided views: read in place)
             w = (wg, wu, bg, bu) if other.dtype == x.dtype else (wg.half(), wu.half(), bg.half(), bu.half())
             for _ in range(2):  # the second call replays
                 assert_close_to_ref(tritonmm.gated_linear(other, *w), other, *w)
-        assert len(gated._fast) == 6  # the strided input is copied, so it keys on its own geometry but replays too
+        assert len(gated_op._fast) == 6  # the strided input is copied, so it keys on its own geometry but replays too
     with pytest.raises(RuntimeError, match="cannot be multiplied"):  # torch's own message
         tritonmm.gated_linear(randn(9, 40), wg, wu, bg, bu)
 
@@ -131,7 +133,7 @@ def test_no_grad_calls_replay_a_bound_launch_per_geometry():
 def test_more_than_gated_max_m_rows_take_cublas_projections_and_one_product_pass(monkeypatch):
     """Above GATED_MAX_M rows no gated GEMM kernel is built: cuBLAS projections, then one product pass."""
     import tritonmm.kernels.gated_launchers as gl
-    from tritonmm import gated_cublas
+    from tritonmm.dispatch import gated_cublas
 
     launchers, products = [], []
     real_launcher, real_product = gl.gated_launcher, gated_cublas.product
@@ -155,8 +157,7 @@ def test_calls_below_product_min_flops_run_the_torch_expression(monkeypatch):
     """Above GATED_MAX_M rows the product path serves calls with autograd from PRODUCT_MIN_FLOPS per projection and
     calls without from PRODUCT_MIN_FLOPS_NO_GRAD (the no-grad replay too); below them the torch expression, and a
     fused MLP its own forward, its weights packed or not."""
-    from tritonmm import gated_cublas
-
+    from tritonmm.dispatch import gated_cublas
     from tritonmm.kernels import gated_product
 
     products = []  # product passes: through product(), or the replay's bound launch
@@ -359,8 +360,8 @@ def _down_hook(module, args, output):  # module level: fused models with it must
 
 def _count_gated(monkeypatch):
     calls = []
-    real = gated.forward
-    monkeypatch.setattr(gated, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gated_op.forward
+    monkeypatch.setattr(gated_op, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -446,7 +447,7 @@ def test_hook_on_gate_runs_the_original_forward(monkeypatch):
 def test_down_proj_runs_as_its_module_would(monkeypatch):
     """A plain down_proj is called as F.linear, skipping Module.__call__; a hooked, patched or swapped one
     (whose forward is tritonmm's) as a module, so its hooks and routes apply."""
-    from tritonmm import fusion
+    from tritonmm.modules import fusion
 
     torch.manual_seed(0)
     mlp = MLP(bias=True)
@@ -471,10 +472,11 @@ def test_down_proj_runs_as_its_module_would(monkeypatch):
 def test_projections_settled_under_patch_linear_still_fuse(monkeypatch):
     """patch_linear settles layers whose weights go to cuBLAS into a subclass of their class: a fused MLP
     still recognises such projections, and calls such a down_proj as F.linear."""
-    from tritonmm import dispatch, fusion
+    from tritonmm.dispatch import decide
+    from tritonmm.modules import fusion
 
-    monkeypatch.setattr(dispatch, "torch_everywhere", lambda problems, dtype, device: True)
-    monkeypatch.setattr(dispatch, "weight_free", lambda N, K, dtype, device: True)
+    monkeypatch.setattr(decide, "torch_everywhere", lambda problems, dtype, device: True)
+    monkeypatch.setattr(decide, "weight_free", lambda N, K, dtype, device: True)
     tritonmm.clear_cache()  # decisions cached by earlier tests
     torch.manual_seed(0)
     mlp = MLP()
@@ -509,13 +511,13 @@ def test_inputs_no_gated_kernel_takes_run_the_recognised_forward(monkeypatch):
     """Where no gated kernel takes x (a CPU tensor outside Triton's interpreter, float64), the fused MLP runs its
     recognised forward, as the unfused module does, without entering gated_linear; under the interpreter a CPU
     float32 x of up to GATED_MAX_M rows enters it."""
-    from tritonmm import fusion
+    from tritonmm.modules import fusion
 
     torch.manual_seed(0)
     mlp = MLP()
     fused = tritonmm.fuse(copy.deepcopy(mlp))
     entered = []
-    monkeypatch.setattr(fusion, "gated_linear", lambda *a: entered.append(1) or gated.gated_linear(*a))
+    monkeypatch.setattr(fusion, "gated_linear", lambda *a: entered.append(1) or gated_op.gated_linear(*a))
     x = randn(3, 48)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     torch.testing.assert_close(fused(x), mlp(x), rtol=1e-5, atol=1e-5)
@@ -756,7 +758,7 @@ def test_calls_without_autograd_in_the_kernel_band_run_the_gated_kernel_and_repl
     x, wg, wu, bg, bu = operands(M, N, K, bias=True)
     with torch.no_grad():
         outs = [tritonmm.gated_linear(x, wg, wu, bg, bu) for _ in range(3)]
-    assert launchers == [M] and len(gated._fast) == 1
+    assert launchers == [M] and len(gated_op._fast) == 1
     for out in outs:
         assert_close_to_ref(out, x, wg, wu, bg, bu)
     xg = x.clone().requires_grad_()
@@ -797,7 +799,7 @@ def test_float32_calls_key_on_the_matmul_precision_setting(monkeypatch):
                     assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
     finally:
         torch.set_float32_matmul_precision(old)
-    assert launchers == [8, 8] and len(gated._fast) == 2  # (the third setting is the first's again)
+    assert launchers == [8, 8] and len(gated_op._fast) == 2  # (the third setting is the first's again)
 
 
 def test_replay_is_not_taken_by_neg_views_zero_tensors_or_a_bias_of_another_alignment():

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import tritonmm
-from tritonmm import gated
+from tritonmm.core.reference import EPS, randn
+from tritonmm.dispatch import gated
 from tritonmm.kernels import gated_launchers
-from tritonmm.testing import EPS, randn
+from tritonmm.ops import gated as gated_op
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -54,8 +55,8 @@ def test_every_candidate_config(kernel):
         try:
             launch(x, wg, wu, bg, bu, h, g, u)
         except Exception as e:  # a config pruning keeps must run; others may exceed shared memory
-            pool = gated_launchers.prune(kernel, [cfg], M, N, K, 2, tritonmm.device.smem_limit(x.device),
-                                         tritonmm.device.num_sms(x.device), keep=1)
+            pool = gated_launchers.prune(kernel, [cfg], M, N, K, 2, tritonmm.core.device.smem_limit(x.device),
+                                         tritonmm.core.device.num_sms(x.device), keep=1)
             assert pool != [cfg], f"{cfg} kept by pruning but failed: {e}"
             continue
         _check(h, x, wg, wu, bg, bu)
@@ -71,7 +72,7 @@ def test_autotuned_launch(kernel):
 
 
 @pytest.mark.parametrize("M", [16, 600])
-@pytest.mark.parametrize("act", gated.GATED_ACTIVATIONS)
+@pytest.mark.parametrize("act", gated_op.GATED_ACTIVATIONS)
 def test_gradients_on_gpu(M, act, monkeypatch):
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", 0)  # the product path at 600 rows too
     monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", 0)
@@ -124,7 +125,7 @@ def test_fused_mlp_without_autograd_in_the_kernel_band(rows, monkeypatch, tmp_pa
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from tritonmm import gated_tuning
+    from tritonmm.dispatch import gated_tuning
 
     assert gated.kernel_rows(rows, 2816, 1024, False) and rows > gated.GATED_MAX_M
     monkeypatch.setenv("TRITONMM_FIRST_SIGHT", "1")
@@ -179,7 +180,7 @@ def test_packed_fused_mlp_over_m_with_gradients_and_autocast(M):
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from tritonmm import gated_cublas
+    from tritonmm.dispatch import gated_cublas
 
     torch.manual_seed(0)
     mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632)).cuda()
@@ -237,7 +238,7 @@ def test_decode_geometry_is_measured_once_per_machine_never_in_capture(tmp_path,
     import subprocess
     import sys
 
-    from tritonmm import first_sight, gated_tuning, tuned
+    from tritonmm.dispatch import first_sight, gated_tuning, tables
 
     monkeypatch.setenv("TRITONMM_TUNED_DIR", str(tmp_path))
     monkeypatch.setenv("TRITONMM_FIRST_SIGHT", "1")
@@ -251,7 +252,7 @@ def test_decode_geometry_is_measured_once_per_machine_never_in_capture(tmp_path,
         _check(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
     assert first_sight.stats["measured"] == before + 1
     (path,) = tmp_path.glob("*.json")
-    entry = tuned.read_table(path)["entries"]["bfloat16:16:5632:2048:gated_silu"]
+    entry = tables.read_table(path)["entries"]["bfloat16:16:5632:2048:gated_silu"]
     print(json.dumps(entry))
     assert entry["first_sight_s"] < 1.5 and entry["torch_us"] > 0
     assert gated_tuning.entry(x.device, BF16, 3, 5632, 2048, "silu") == entry
@@ -284,7 +285,7 @@ def test_tune_model_measures_a_fused_mlps_decode_geometry_once(tmp_path, monkeyp
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from tritonmm import gated_tuning
+    from tritonmm.dispatch import gated_tuning
 
     monkeypatch.setenv("TRITONMM_TUNED_DIR", str(tmp_path))
     tritonmm.clear_cache()
@@ -317,8 +318,8 @@ def test_packed_kernel_every_candidate_config(save):
 
     M, N, K = 300, 712, 1032
     x, w, wg, wu = _packed_operands(M, N, K)
-    kept = pl.prune(list(pl._candidates()), M, N, K, 2, False, save, tritonmm.device.smem_limit(x.device),
-                    tritonmm.device.num_sms(x.device), keep=100)
+    kept = pl.prune(list(pl._candidates()), M, N, K, 2, False, save, tritonmm.core.device.smem_limit(x.device),
+                    tritonmm.core.device.num_sms(x.device), keep=100)
     assert kept
     for cfg in kept:
         h = torch.full((M, N), float("nan"), dtype=BF16, device="cuda")
@@ -337,8 +338,8 @@ def test_packed_backward_kernel_every_candidate_config():
     dy, wd = randn(M, K, dtype=BF16, device="cuda"), (randn(K, N, device="cuda") / N**0.5).to(BF16)
     g, u = gu[:, :N].double().requires_grad_(), gu[:, N:].double().requires_grad_()
     dg, du = torch.autograd.grad(torch.nn.functional.silu(g) * u, (g, u), dy.double() @ wd.double())
-    kept = pl.prune(list(pl._candidates()), M, N, K, 2, True, False, tritonmm.device.smem_limit(dy.device),
-                    tritonmm.device.num_sms(dy.device), keep=100)
+    kept = pl.prune(list(pl._candidates()), M, N, K, 2, True, False, tritonmm.core.device.smem_limit(dy.device),
+                    tritonmm.core.device.num_sms(dy.device), keep=100)
     assert kept
     for cfg in kept:
         dgu = torch.full((M, 2 * N), float("nan"), dtype=BF16, device="cuda")
@@ -353,9 +354,9 @@ def test_packed_backward_kernel_every_candidate_config():
 def test_fused_mlp_inference_takes_the_packed_kernel(M):
     """A fused Llama-3-8B-sized MLP's inference forward at prefill sizes runs the packed kernel (autotuned on
     first use) and matches the unfused module within the torch expression's own error."""
-    from tritonmm import gated_cublas
+    from tritonmm.dispatch import gated_cublas
 
-    gated.clear_cache()
+    gated_op.clear_cache()
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
 

@@ -4,13 +4,14 @@ values against float64, every element written, tails of M and N, and where the d
 import pytest
 import torch
 import torch.nn.functional as F
+from test_gated import ACTS, assert_close_to_ref
 
 import tritonmm
-from tritonmm import activations, gated, gated_cublas
+from tritonmm.core import activations
+from tritonmm.core.reference import randn
+from tritonmm.dispatch import gated_cublas
 from tritonmm.kernels.packed_launchers import packed_backward_launcher, packed_launcher
-from tritonmm.testing import randn
-
-from test_gated import ACTS, assert_close_to_ref
+from tritonmm.ops import gated as gated_op
 
 pytestmark = pytest.mark.interpreter
 
@@ -70,7 +71,7 @@ def test_backward_values(dtype, act, M, N, K):
 
 def _packed_kernel_everywhere(monkeypatch):
     monkeypatch.setattr(gated_cublas, "PACKED_KERNEL_MIN_FLOPS", 1)  # (the CPU tests' sizes)
-    gated.clear_cache()
+    gated_op.clear_cache()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -85,7 +86,7 @@ def test_packed_weights_take_the_kernel(dtype, monkeypatch):
             h = tritonmm.gated_linear(x, wg, wu)
         assert_close_to_ref(h, x, wg, wu)
         assert len(gated_cublas._packed_launchers) == 1
-    gated.clear_cache()
+    gated_op.clear_cache()
     with torch.no_grad():
         h = tritonmm.gated_linear(x, wg.clone(), wu.clone())
     assert_close_to_ref(h, x, wg, wu)

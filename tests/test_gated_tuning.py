@@ -5,13 +5,13 @@ import types
 
 import pytest
 import torch
-
-import tritonmm
-from tritonmm import first_sight, gated, gated_tuning, tuned
-from tritonmm.kernels import gated_launchers
-
 from test_first_sight import fake_timing
 from test_gated import assert_close_to_ref, operands
+
+import tritonmm
+from tritonmm.dispatch import first_sight, gated, gated_tuning, tables, tuned
+from tritonmm.kernels import gated_launchers
+from tritonmm.ops import gated as gated_op
 
 CFG = dict(gated_launchers._candidates("pointer")[0])
 KEY = "bfloat16:16:64:64:gated_silu"
@@ -29,21 +29,21 @@ def _fresh():
 
 
 def _write(path, entries):
-    table = {"format": tuned.FORMAT, "capability": [9, 0], "sms": 132, "triton": "3.6.0", "entries": entries}
+    table = {"format": tables.FORMAT, "capability": [9, 0], "sms": 132, "triton": "3.6.0", "entries": entries}
     path.write_text(json.dumps(table))
     return path
 
 
 def test_gated_entries_are_table_entries_with_gated_configs(tmp_path):
     good = {KEY: _entry(), "float16:1:64:64:gated_gelu_tanh": _entry("torch", None, triton_us=None)}
-    assert tuned.parse_table(_write(tmp_path / "a.json", good))["entries"] == good
+    assert tables.parse_table(_write(tmp_path / "a.json", good))["entries"] == good
     bad_configs = [{**CFG, "SPLIT_K": 1}, {k: v for k, v in CFG.items() if k != "BLOCK_K"}, {**CFG, "BLOCK_M": 0}]
     for config in bad_configs:  # a plain GEMM's config, a missing field, a zero
         with pytest.raises(ValueError, match="gated pointer config"):
-            tuned.parse_table(_write(tmp_path / "b.json", {KEY: _entry(config=config)}))
+            tables.parse_table(_write(tmp_path / "b.json", {KEY: _entry(config=config)}))
     for key in ("bfloat16:16:64:64:gated_none", "bfloat16:16:64:64:gated_swish"):
         with pytest.raises(ValueError, match="is not dtype:M:N:K:layout"):
-            tuned.parse_table(_write(tmp_path / "c.json", {key: _entry()}))
+            tables.parse_table(_write(tmp_path / "c.json", {key: _entry()}))
 
 
 def test_gated_entries_do_not_mark_weights_for_the_plain_gemm(monkeypatch):
@@ -147,9 +147,9 @@ def test_a_torch_decision_runs_the_torch_expression_also_on_replay(monkeypatch, 
     built = _spy_launchers(monkeypatch)
     x, wg, wu, bg, bu = operands(3, 48, 32, torch.float32, bias)
     want = gated.reference(x, wg, wu, bg, bu, "gelu")
-    for _ in range(3):  # the first call decides, the next ones replay (gated._fast)
+    for _ in range(3):  # the first call decides, the next ones replay (gated_op._fast)
         torch.testing.assert_close(tritonmm.gated_linear(x, wg, wu, bg, bu, "gelu"), want, rtol=0, atol=0)
-    assert decisions == ["gelu"] and built == [] and len(gated._fast) == 1
+    assert decisions == ["gelu"] and built == [] and len(gated_op._fast) == 1
     # with gradients: the torch expression's values and gradients
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu) + ((bg, bu) if bias else ())]
     out = tritonmm.gated_linear(*leaves[:3], *(leaves[3:] or (None, None)), "gelu")
@@ -221,7 +221,7 @@ def test_measure_keeps_the_kernel_only_where_it_is_faster(monkeypatch):
     entry, _ = _measure(monkeypatch, [20.0, 21.0, 20.0, 25.0])  # none faster: the torch expression
     assert entry["backend"] == "torch"
     # a whole entry, as the table takes it
-    tuned._check_entry("bfloat16:16:128:128:gated_silu", entry)
+    tables._check_entry("bfloat16:16:128:128:gated_silu", entry)
 
 
 def test_tune_measures_only_what_no_table_of_this_release_holds(measuring, monkeypatch):
@@ -266,10 +266,10 @@ def test_threads_deciding_one_new_geometry_agree(measuring, monkeypatch):
                                           ("num_stages", 9)])
 def test_configs_that_cannot_launch_are_rejected(field, value):
     with pytest.raises(ValueError, match="cannot launch"):
-        tuned._check_entry(KEY, _entry(config={**CFG, field: value}))
+        tables._check_entry(KEY, _entry(config={**CFG, field: value}))
     plain = {**gated_launchers._plain_equivalent(CFG), "SPLIT_K": 1, "EPILOGUE_SUBTILE": 0, field: value}
     with pytest.raises(ValueError, match="cannot launch"):
-        tuned._check_entry("bfloat16:16:64:64:nt", {**_entry(config=plain), "kernel": "tma"})
+        tables._check_entry("bfloat16:16:64:64:nt", {**_entry(config=plain), "kernel": "tma"})
 
 
 def test_a_prior_narrow_kernel_win_leaves_the_choice_to_autotuning(measuring, monkeypatch):
@@ -297,8 +297,8 @@ def test_one_row_takes_its_own_key_whatever_n_and_k(measuring):
 def test_a_deferred_config_that_fails_is_not_kept(monkeypatch):
     """A decision that could not be measured (capture) whose config fails to launch: served by torch, warned,
     and the geometry is decided again at the next call."""
+    from tritonmm.dispatch.runners import KernelFailedWarning
     from tritonmm.kernels.launch import LAUNCH_FAILURES
-    from tritonmm.runners import KernelFailedWarning
 
     bad = {**CFG, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_stages": 1}
     answers = [(bad, False), ("torch", True)]

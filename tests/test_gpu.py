@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
+from tritonmm.core import device as _device
+from tritonmm.core.reference import assert_matches_reference, randn
 from tritonmm.kernels import configs as cfg
-from tritonmm import device as _device
 from tritonmm.kernels import launch, launchers
 from tritonmm.kernels.copy import tma_view
-from tritonmm.testing import assert_matches_reference, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -229,7 +229,7 @@ def test_splitk_partials_past_2_31():
 def _on_two_streams(fn, repeats: int, poison: int) -> tuple[list, list]:
     """``repeats`` calls of ``fn`` on each of two new streams, interleaved, after NaN-poisoning the first
     ``poison`` fp32 elements of each stream's split-K partials (a split reducing too early reads NaN)."""
-    from tritonmm import workspace
+    from tritonmm.core import workspace
 
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for s in streams:
@@ -252,7 +252,7 @@ def test_splitk_reduce_last_is_repeatable(split_k):
     back-to-back launches, with bias and an activation, in two streams at once (each stream's counters
     are its own), gives bitwise the first launch's result, which matches the float64 reference; the
     counters end at zero."""
-    from tritonmm import workspace
+    from tritonmm.core import workspace
 
     M, N, K = 13, 1000, 4000
     config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_stages": 4, "num_warps": 4,
@@ -279,7 +279,7 @@ def test_tma_splitk_is_exact_and_repeatable(M, N, K, b_trans, split_k):
     weights and an N whose rows TMA cannot store (1000 x 2 bytes is 16-byte aligned, 1544 too; 520
     and 200 rows exercise the masked edges); bitwise equal over 20 launches in each of two streams at
     once into NaN-poisoned partials; the arrival counters end at zero."""
-    from tritonmm import workspace
+    from tritonmm.core import workspace
 
     config = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_stages": 4, "num_warps": 4,
               "EPILOGUE_SUBTILE": 0, "SPLIT_K": split_k}

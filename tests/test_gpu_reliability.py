@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
-from tritonmm import device as _device
-from tritonmm import runners, workspace
-from tritonmm.runners import KernelFailedWarning
-from tritonmm.testing import assert_matches_reference, randn
+from tritonmm.core import device as _device
+from tritonmm.core import workspace
+from tritonmm.core.reference import assert_matches_reference, randn
+from tritonmm.dispatch import runners
+from tritonmm.dispatch.runners import KernelFailedWarning
 
 pytestmark = pytest.mark.gpu
 
@@ -311,7 +312,7 @@ def test_nan_inf_positions_and_fp16_overflow(case):
 
 _HASH = """
 import hashlib, torch, tritonmm
-from tritonmm.testing import randn
+from tritonmm.core.reference import randn
 torch.manual_seed(99)
 a, b = randn(700, 900, dtype=torch.bfloat16, device="cuda"), randn(900, 500, dtype=torch.bfloat16, device="cuda")
 cfg = {cfg!r}
@@ -371,7 +372,7 @@ def test_bad_tuned_table_warns_once_and_falls_back_to_defaults(content, tmp_path
     import shutil
     import warnings
 
-    from tritonmm import tuned
+    from tritonmm.dispatch import tuned
     from tritonmm.kernels import configs as cfg
 
     shutil.copy(cfg.config_dir() / "candidates.json", tmp_path / "candidates.json")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
-from tritonmm.testing import assert_matches_reference, randn
+from tritonmm.core.reference import assert_matches_reference, randn
 
 pytestmark = pytest.mark.interpreter
 
@@ -83,7 +83,7 @@ def test_gelu_tanh_epilogue_on_large_values_warns_of_nothing(kernel):
 
 def test_epilogue_is_fused(monkeypatch):
     """One kernel launch; no separate bias or activation pass over the output."""
-    from tritonmm import activations
+    from tritonmm.core import activations
     from tritonmm.kernels import launch, launchers
 
     launches = []
@@ -188,7 +188,7 @@ def test_mixed_dtypes_outside_autocast_raise_like_f_linear():
 def _poison_splitk_partials():
     """NaN-fill the workspace the split-K partials will live in: a split that reduced before the others
     had stored would read NaN, not the same values left there by an earlier test."""
-    from tritonmm import workspace
+    from tritonmm.core import workspace
 
     workspace.buffers(torch.device("cpu"), [((1 << 16,), torch.float32)], slot="splitk")[0].fill_(float("nan"))
 
@@ -207,7 +207,7 @@ def test_tma_splitk_applies_epilogue_once(split, n, b_trans):
     and the tile's last split sums them, then adds a strided bias and the activation, rounding once.
     K = 40 is 3 BLOCK_K steps: with 5 splits two slices are empty. N = 45 stores C through pointers
     (rows not 16-byte aligned), N = 48 through TMA; counters end at zero; a repeat is bitwise equal."""
-    from tritonmm import workspace
+    from tritonmm.core import workspace
 
     tritonmm.clear_cache()
     workspace.release()
@@ -232,7 +232,7 @@ def test_splitk_reduction_applies_epilogue_once(split):
     """The split-K reduction (in the GEMM kernel, by each tile's last split) adds every K slice's
     partial exactly once, then a strided bias and the activation, rounding once (K = 200 leaves a
     short last slice); the arrival counters are back at zero afterwards."""
-    from tritonmm import workspace
+    from tritonmm.core import workspace
 
     tritonmm.clear_cache()
     workspace.release()

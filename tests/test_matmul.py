@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tritonmm
-from tritonmm.testing import assert_matches_reference, randn
+from tritonmm.core.reference import assert_matches_reference, randn
 
 pytestmark = pytest.mark.interpreter
 
@@ -93,7 +93,7 @@ def test_stride0_broadcast_batches(kernel):
 
 
 def test_batch_fold_and_levels():
-    from tritonmm.shapes import plan
+    from tritonmm.core.shapes import plan
 
     a = randn(4, 5, 21, 13)
     p = plan(a, randn(13, 9))

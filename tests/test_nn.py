@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import tritonmm
-import tritonmm.nn as tnn
-from tritonmm.testing import randn
+import tritonmm.modules.linear as tnn
+from tritonmm.core.reference import randn
 
 pytestmark = pytest.mark.interpreter
 

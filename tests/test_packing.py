@@ -7,13 +7,15 @@ import io
 
 import pytest
 import torch
+from test_gated import MLP, assert_close_to_ref
 from torch import nn
 
 import tritonmm
-from tritonmm import gated, gated_cublas, packing
-from tritonmm.testing import randn
-
-from test_gated import MLP, assert_close_to_ref
+from tritonmm.core.reference import randn
+from tritonmm.dispatch import gated, gated_cublas
+from tritonmm.modules import packing
+from tritonmm.ops import gated as gated_op
+from tritonmm.ops import gated_args
 
 pytestmark = pytest.mark.interpreter
 
@@ -117,8 +119,9 @@ def test_autocast_with_fp32_weights_casts_once_and_returns_fp32_gradients(monkey
     mlp = MLP(hidden=32, inter=24)
     fused = tritonmm.fuse(copy.deepcopy(mlp))
     casts = []
-    real = packing.PackedCast.forward
-    monkeypatch.setattr(packing.PackedCast, "forward", staticmethod(lambda ctx, *a: casts.append(1) or real(ctx, *a)))
+    real = gated_args.PackedCast.forward
+    monkeypatch.setattr(gated_args.PackedCast, "forward",
+                        staticmethod(lambda ctx, *a: casts.append(1) or real(ctx, *a)))
     x = randn(40, 32)
     xs = [x.clone().requires_grad_() for _ in range(2)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -301,10 +304,10 @@ def test_bound_replay_of_packed_calls_matches_float64_and_falls_back(lead, monke
     real_launcher = gated_product.halves_launcher
     monkeypatch.setattr(gated_product, "halves_launcher", lambda *a: (lambda launch: lambda args: (
         launches.append(args[2]), launch(args)))(real_launcher(*a)))
-    gated.clear_cache()
+    gated_op.clear_cache()
     with torch.no_grad():
         outs = [tritonmm.gated_linear(x, wg, wu) for _ in range(3)]
-        assert len(gated._fast) == 1 and launches == [24, 24]  # the second and third calls replay
+        assert len(gated_op._fast) == 1 and launches == [24, 24]  # the second and third calls replay
         for out in outs:
             assert_close_to_ref(out, x, wg, wu)
             assert torch.equal(out, outs[0])
@@ -314,7 +317,7 @@ def test_bound_replay_of_packed_calls_matches_float64_and_falls_back(lead, monke
         assert launches == [24, 24] and gemms == [False]  # the unpacked path, through the same replay
     monkeypatch.setattr(gated_product, "_gated_product_halves_kernel", None)  # (a launch that raises TypeError)
     monkeypatch.setattr(gated_product, "LAUNCH_FAILURES", (TypeError,))
-    gated.clear_cache()
+    gated_op.clear_cache()
     with torch.no_grad(), pytest.warns(Warning):
         for _ in range(2):
             assert_close_to_ref(tritonmm.gated_linear(x, wg, wu), x, wg, wu)
@@ -327,7 +330,7 @@ def test_replay_of_row_strided_weights_that_start_where_packed_ones_would():
     buf = randn(N * K + N * S)
     w_gate, w_up = buf.as_strided((N, K), (S, 1), 0), buf.as_strided((N, K), (S, 1), N * K)
     x = randn(40, K)
-    gated.clear_cache()
+    gated_op.clear_cache()
     with torch.no_grad():
         for _ in range(3):
             assert_close_to_ref(tritonmm.gated_linear(x, w_gate, w_up), x, w_gate, w_up)

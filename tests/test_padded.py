@@ -11,9 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tritonmm
-from tritonmm import dispatch, layout, padded, workspace
-from tritonmm.shapes import plan
-from tritonmm.testing import assert_matches_reference, randn
+from tritonmm.core import layout, workspace
+from tritonmm.core.reference import assert_matches_reference, randn
+from tritonmm.core.shapes import plan
+from tritonmm.dispatch import decide, padded
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -131,19 +132,19 @@ def test_padded_forcing_errors(monkeypatch):
 
 
 def test_tuned_padded_entry_becomes_a_padded_decision(monkeypatch):
-    from tritonmm import tuned
+    from tritonmm.dispatch import tables, tuned
 
     a, b = randn(300, 301, dtype=torch.bfloat16), randn(301, 302, dtype=torch.bfloat16)
     key = tuned.entry_key(a.dtype, 300, 302, 301, "nn")
     entry = {"backend": "torch", "kernel": "padded", "config": None, "triton_us": 10.0, "torch_us": 30.0}
-    tuned._check_entry(key, entry)
+    tables._check_entry(key, entry)
     monkeypatch.setattr(tuned, "_table_for", lambda index: {key: entry})
-    d = dispatch._from_table(torch.device("cuda", 0), a.dtype, plan(a, b))
+    d = decide._from_table(torch.device("cuda", 0), a.dtype, plan(a, b))
     assert (d.backend, d.kernel) == ("torch", "padded") and "3.00x" in d.reason
     aligned = plan(randn(300, 304, dtype=torch.bfloat16), randn(304, 304, dtype=torch.bfloat16))
     monkeypatch.setattr(tuned, "_table_for",
                         lambda index: {tuned.entry_key(a.dtype, 300, 304, 304, "nn"): entry})
-    assert dispatch._from_table(torch.device("cuda", 0), a.dtype, aligned).kernel is None
+    assert decide._from_table(torch.device("cuda", 0), a.dtype, aligned).kernel is None
 
 
 @pytest.mark.gpu
@@ -178,4 +179,4 @@ def test_padded_peak_memory_bounded():
         torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra <= out.numel() * out.element_size() + (1 << 20), extra  # only the output after the first call
-    assert dispatch.PAD_MIN_FLOPS <= 2 * n**3
+    assert decide.PAD_MIN_FLOPS <= 2 * n**3

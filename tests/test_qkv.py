@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tritonmm
-from tritonmm import fusion, packing, qkv
-from tritonmm.testing import randn
+from tritonmm.core.reference import randn
+from tritonmm.modules import fusion, packing, qkv
 
 pytestmark = pytest.mark.interpreter  # (CPU weights are packed under Triton's interpreter only)
 

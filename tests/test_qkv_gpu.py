@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tritonmm
-from tritonmm import packing, qkv
+from tritonmm.modules import packing, qkv
 
 pytestmark = pytest.mark.gpu
 

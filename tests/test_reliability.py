@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
-from tritonmm import runners, tuned, workspace
-from tritonmm.runners import KernelFailedWarning
-from tritonmm.testing import assert_matches_reference, randn
+from tritonmm.core import workspace
+from tritonmm.core.reference import assert_matches_reference, randn
+from tritonmm.dispatch import runners, tables
+from tritonmm.dispatch.runners import KernelFailedWarning
 
 KERNELS = ["pointer", "splitk", "tma"]
 ENTRIES = [("tritonmm.matmul", tritonmm.matmul), ("op", lambda a, b: torch.ops.tritonmm.matmul(a, b))]
@@ -245,7 +246,7 @@ def test_many_batches():
 
 _HASH_SCRIPT = """
 import hashlib, torch, tritonmm
-from tritonmm.testing import randn
+from tritonmm.core.reference import randn
 torch.manual_seed(1234)
 a, b = randn(70, 90, dtype=torch.float16), randn(90, 50, dtype=torch.float16)
 with tritonmm.force_backend("triton", "{kernel}"):
@@ -369,46 +370,46 @@ def _valid_entry(**over):
 ], ids=["kernel", "code-in-config", "missing-fields", "backend", "timing", "not-dict"])
 def test_malformed_entries_reject_the_table_with_a_warning(tmp_path, entry):
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {"bfloat16:64:64:64:nn": entry}}))
+    path.write_text(json.dumps({"format": tables.FORMAT, "entries": {"bfloat16:64:64:64:nn": entry}}))
     with pytest.warns(RuntimeWarning, match="ignoring tuned table"):
-        assert tuned.read_table(path) is None
+        assert tables.read_table(path) is None
     assert not os.path.exists("/tmp/pwned")
 
 
 def test_valid_entry_accepted(tmp_path):
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {"bfloat16:64:64:64:nn": _valid_entry()}}))
+    path.write_text(json.dumps({"format": tables.FORMAT, "entries": {"bfloat16:64:64:64:nn": _valid_entry()}}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert tuned.read_table(path)["entries"]["bfloat16:64:64:64:nn"]["kernel"] == "pointer"
+        assert tables.read_table(path)["entries"]["bfloat16:64:64:64:nn"]["kernel"] == "pointer"
 
 
 def test_unreadable_table_warns(tmp_path):
     path = tmp_path / "dir.json"
     path.mkdir()  # reading a directory fails like an unreadable file (root ignores chmod)
     with pytest.warns(RuntimeWarning, match="ignoring tuned table"):
-        assert tuned.read_table(path) is None
+        assert tables.read_table(path) is None
 
 
 _WRITER = """
 import json, pathlib, sys
-from tritonmm import tuned
+from tritonmm.dispatch import tables, tuned
 path, me = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 for i in range(40):
-    table = {"format": tuned.FORMAT, "writer": me, "i": i, "entries": {}, "pad": "x" * (200000 + 1000 * me)}
-    tuned.atomic_write_text(path, json.dumps(table))
+    table = {"format": tables.FORMAT, "writer": me, "i": i, "entries": {}, "pad": "x" * (200000 + 1000 * me)}
+    tables.atomic_write_text(path, json.dumps(table))
 """
 
 
 @pytest.mark.slow
 def test_concurrent_writers_never_corrupt_the_table(tmp_path):
     path = tmp_path / "table.json"
-    tuned.atomic_write_text(path, json.dumps({"format": tuned.FORMAT, "entries": {}}))
+    tables.atomic_write_text(path, json.dumps({"format": tables.FORMAT, "entries": {}}))
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(k)]) for k in range(4)]
     reads = 0
     while any(p.poll() is None for p in procs):
         data = json.loads(path.read_text())  # never half a file
-        assert data["format"] == tuned.FORMAT
+        assert data["format"] == tables.FORMAT
         reads += 1
     assert all(p.returncode == 0 for p in procs) and reads > 0
     final = json.loads(path.read_text())

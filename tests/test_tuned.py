@@ -5,11 +5,12 @@ import json
 import pytest
 import torch
 
-from tritonmm import dispatch, layout, tuned
-from tritonmm.shapes import plan
-from tritonmm.testing import randn
-from tritonmm.tune import merge_measurements
-from tritonmm.tuned import choose
+from tritonmm.core import layout
+from tritonmm.core.reference import randn
+from tritonmm.core.shapes import plan
+from tritonmm.dispatch import decide, tables, tuned
+from tritonmm.dispatch.tuned import choose
+from tritonmm.tune.measure import merge_measurements
 
 A = {"BLOCK_M": 16, "BLOCK_N": 64}
 B = {"BLOCK_M": 32, "BLOCK_N": 64}
@@ -66,16 +67,16 @@ def test_choose_nothing_ran():
 
 def test_read_table_rejects_bad_files(tmp_path):
     good = tmp_path / "good.json"
-    good.write_text(json.dumps({"format": tuned.FORMAT, "entries": {}}))
-    assert tuned.read_table(good) is not None
+    good.write_text(json.dumps({"format": tables.FORMAT, "entries": {}}))
+    assert tables.read_table(good) is not None
     for name, text in [("corrupt", "{not json"), ("truncated", '{"format": 1, "entr'),
                        ("foreign", json.dumps({"format": 99, "entries": {}})), ("list", "[1, 2]")]:
         path = tmp_path / f"{name}.json"
         path.write_text(text)
         with pytest.warns(RuntimeWarning, match="ignoring tuned table"):
-            assert tuned.read_table(path) is None
+            assert tables.read_table(path) is None
     with pytest.warns(RuntimeWarning):
-        assert tuned.read_table(tmp_path / "missing.json") is None
+        assert tables.read_table(tmp_path / "missing.json") is None
 
 
 @pytest.mark.parametrize("key, entry", [
@@ -90,10 +91,10 @@ def test_read_table_rejects_entries_the_dispatcher_could_not_read(tmp_path, key,
     """Keys and cuBLAS times are read on the dispatcher's path (``weight_used``, ``_table_decision``): a
     table holding a malformed one is refused when read, never failing a call later."""
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {key: {
+    path.write_text(json.dumps({"format": tables.FORMAT, "entries": {key: {
         "backend": "torch", "kernel": None, "config": None, "torch_us": 5.0, **entry}}}))
     with pytest.warns(RuntimeWarning, match="ignoring tuned table"):
-        assert tuned.read_table(path) is None
+        assert tables.read_table(path) is None
 
 
 def test_read_table_refuses_a_triton_entry_without_its_time_and_deep_json(tmp_path):
@@ -104,18 +105,18 @@ def test_read_table_refuses_a_triton_entry_without_its_time_and_deep_json(tmp_pa
     path = tmp_path / "t.json"
     entry = {"backend": "triton", "kernel": "pointer", "config": cfg, "torch_us": 100.0, "first_sight_s": 0.2}
     for triton_us in (None, 10 ** 400):
-        path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {"bfloat16:4096:4096:4096:nn": {
+        path.write_text(json.dumps({"format": tables.FORMAT, "entries": {"bfloat16:4096:4096:4096:nn": {
             **entry, "triton_us": triton_us}}}))
         with pytest.warns(RuntimeWarning, match="triton_us is not a number"):
-            assert tuned.read_table(path) is None
+            assert tables.read_table(path) is None
     path.write_text("[" * 100000)
     with pytest.warns(RuntimeWarning, match="ignoring tuned table"):
-        assert tuned.read_table(path) is None
+        assert tables.read_table(path) is None
     sig = {"capability": [9, 0], "sms": 132, "triton": "3.6.0"}
     with pytest.warns(RuntimeWarning, match="moved tuned table"):
-        tuned.merge_entries(path, sig, "H200", {"bfloat16:64:64:64:nn": {
+        tables.merge_entries(path, sig, "H200", {"bfloat16:64:64:64:nn": {
             "backend": "torch", "kernel": None, "config": None, "torch_us": 5.0}})
-    assert list(tuned.read_table(path)["entries"]) == ["bfloat16:64:64:64:nn"]
+    assert list(tables.read_table(path)["entries"]) == ["bfloat16:64:64:64:nn"]
     assert (tmp_path / "t.json.bad").read_text() == "[" * 100000
 
 
@@ -126,12 +127,12 @@ def test_read_table_validates_every_named_config(tmp_path, backend):
     cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_stages": 3, "num_warps": 8,
            "EPILOGUE_SUBTILE": 0, "SPLIT_K": 0}
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {"bfloat16:128:64:64:nn": {
+    path.write_text(json.dumps({"format": tables.FORMAT, "entries": {"bfloat16:128:64:64:nn": {
         "backend": backend, "kernel": "tma", "config": cfg, "triton_us": 1.0, "torch_us": 1.0}}}))
     with pytest.warns(RuntimeWarning, match="SPLIT_K"):
-        assert tuned.read_table(path) is None
+        assert tables.read_table(path) is None
     path.write_text(path.read_text().replace('"SPLIT_K": 0', '"SPLIT_K": 2'))
-    assert tuned.read_table(path) is not None
+    assert tables.read_table(path) is not None
 
 
 def test_lookup_gives_decisions(monkeypatch):
@@ -143,34 +144,34 @@ def test_lookup_gives_decisions(monkeypatch):
     table = {key: {"backend": "triton", "kernel": "tma", "config": cfg, "triton_us": 50.0, "torch_us": 75.0}}
     monkeypatch.setattr(tuned, "_table_for", lambda index: table)
     cuda = torch.device("cuda", 0)
-    d = dispatch._from_table(cuda, torch.bfloat16, p)
+    d = decide._from_table(cuda, torch.bfloat16, p)
     assert (d.backend, d.kernel, d.config) == ("triton", "tma", cfg) and "1.50x" in d.reason
     table[key] = {**table[key], "backend": "torch"}
-    d = dispatch._from_table(cuda, torch.bfloat16, p)
+    d = decide._from_table(cuda, torch.bfloat16, p)
     assert d.backend == "torch" and "cuBLAS kept (Triton measured 1.50x" in d.reason  # a gain inside the margin
     table[key] = {**table[key], "triton_us": 93.75}
-    assert "cuBLAS measured faster (Triton 0.80x)" in dispatch._from_table(cuda, torch.bfloat16, p).reason
-    assert dispatch._from_table(cuda, torch.float16, p).backend == "torch"  # float16 falls back to bfloat16's entry
-    assert dispatch._from_table(cuda, torch.float32, p) is None  # no float32 entry
-    assert dispatch._from_table(cuda, torch.bfloat16, plan(randn(3, 5, 5), randn(3, 5, 5))) is None  # batched
+    assert "cuBLAS measured faster (Triton 0.80x)" in decide._from_table(cuda, torch.bfloat16, p).reason
+    assert decide._from_table(cuda, torch.float16, p).backend == "torch"  # float16 falls back to bfloat16's entry
+    assert decide._from_table(cuda, torch.float32, p) is None  # no float32 entry
+    assert decide._from_table(cuda, torch.bfloat16, plan(randn(3, 5, 5), randn(3, 5, 5))) is None  # batched
 
 
 def test_triton_winner_must_save_more_than_a_launch_costs(monkeypatch):
-    """A Triton entry that saves less GPU time than dispatch.TRITON_MIN_SAVING_US goes to cuBLAS, in the
+    """A Triton entry that saves less GPU time than decide.TRITON_MIN_SAVING_US goes to cuBLAS, in the
     decision and in the fast path's everywhere-torch test alike."""
     a, b = randn(16, 512, dtype=torch.bfloat16), randn(512, 1024, dtype=torch.bfloat16)
     key = tuned.entry_key(torch.bfloat16, 16, 1024, 512, "nn")
     cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_stages": 4, "num_warps": 4}
-    margin = dispatch.TRITON_MIN_SAVING_US
+    margin = decide.TRITON_MIN_SAVING_US
     table = {key: {"backend": "triton", "kernel": "pointer", "config": cfg, "triton_us": 10.0,
                    "torch_us": 10.0 + margin / 2}}
     monkeypatch.setattr(tuned, "_table_for", lambda index: table)
     cuda = torch.device("cuda", 0)
-    d = dispatch._from_table(cuda, torch.bfloat16, plan(a, b))
+    d = decide._from_table(cuda, torch.bfloat16, plan(a, b))
     assert d.backend == "torch" and "saving less GPU time" in d.reason
     assert not tuned.has_kernel(cuda, torch.bfloat16, 16, 1024, 512, margin)
     table[key]["torch_us"] = 10.0 + 2 * margin
-    assert dispatch._from_table(cuda, torch.bfloat16, plan(a, b)).backend == "triton"
+    assert decide._from_table(cuda, torch.bfloat16, plan(a, b)).backend == "triton"
     assert tuned.has_kernel(cuda, torch.bfloat16, 16, 1024, 512, margin)
     assert tuned.has_kernel(cuda, torch.bfloat16, 16, 1024, 512, margin)  # any layout: B as a weight too
     assert not tuned.has_kernel(cuda, torch.bfloat16, 32, 1024, 512, margin)  # another M bucket
@@ -200,10 +201,10 @@ def test_m_equal_1_has_its_own_key_and_falls_back_to_the_bucket(monkeypatch):
     cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_stages": 4, "num_warps": 4, "SPLIT_K": 2}
     table["bfloat16:1:64:32:nn"] = {"backend": "triton", "kernel": "splitk", "config": cfg, "triton_us": 10.0,
                                     "torch_us": 40.0}
-    assert dispatch._from_table(cuda, torch.float16, gemv).kernel == "splitk"  # M = 1 entry, sibling dtype
-    assert dispatch._from_table(cuda, torch.bfloat16, small).backend == "torch"  # M = 16 keeps the bucket entry
+    assert decide._from_table(cuda, torch.float16, gemv).kernel == "splitk"  # M = 1 entry, sibling dtype
+    assert decide._from_table(cuda, torch.bfloat16, small).backend == "torch"  # M = 16 keeps the bucket entry
     table["float16:16:64:32:nn"] = {"backend": "torch", "kernel": None, "config": None, "torch_us": 1.0}
-    assert dispatch._from_table(cuda, torch.float16, gemv).kernel == "splitk"  # M = 1 key before the dtype's bucket
+    assert decide._from_table(cuda, torch.float16, gemv).kernel == "splitk"  # M = 1 key before the dtype's bucket
 
 
 def test_choose_needs_the_min_gain_on_every_shape():
@@ -216,7 +217,7 @@ def test_choose_needs_the_min_gain_on_every_shape():
 
 
 def test_redecide_rewrites_entries_from_stored_measurements(tmp_path, capsys):
-    from tritonmm.tune import main
+    from tritonmm.tune.cli import main
 
     def record(M, torch_us, us):
         r = shape(M, torch_us, [(A, us)])
@@ -226,12 +227,12 @@ def test_redecide_rewrites_entries_from_stored_measurements(tmp_path, capsys):
 
     measured = [record(1, 10.0, 9.0), record(16, 10.0, 9.9), record(100, 10.0, 5.0)]
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {}, "measurements": measured}))
+    path.write_text(json.dumps({"format": tables.FORMAT, "entries": {}, "measurements": measured}))
     assert main(["--redecide", "--min-gain", "1.05", "--out", str(path)]) == 0
     entries = json.loads(path.read_text())["entries"]
     assert {k: e["backend"] for k, e in entries.items()} == {
         "bfloat16:1:64:64:nn": "triton", "bfloat16:16:64:64:nn": "torch", "bfloat16:128:64:64:nn": "triton"}
-    assert tuned.read_table(path) is not None  # still a valid table
+    assert tables.read_table(path) is not None  # still a valid table
     assert main(["--redecide", "--min-gain", "2.5", "--out", str(path)]) == 0
     assert all(e["backend"] == "torch" for e in json.loads(path.read_text())["entries"].values())
     assert main(["--redecide", "--out", str(tmp_path)]) == 2  # a directory is not a table
@@ -256,27 +257,27 @@ def test_redecide_rewrites_entries_from_stored_measurements(tmp_path, capsys):
 def test_redecide_takes_the_table_lock(tmp_path, monkeypatch):
     """Entries that first-sight tuning merges in another process while a table is re-decided are not lost: both
     hold the table's lock while they read and write it."""
-    from tritonmm.tune import main
+    from tritonmm.tune.cli import main
 
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"format": tuned.FORMAT, "entries": {}, "measurements": [
+    path.write_text(json.dumps({"format": tables.FORMAT, "entries": {}, "measurements": [
         {**shape(16, 10.0, [({**A, "BLOCK_K": 64, "GROUP_M": 8, "num_stages": 3, "num_warps": 4}, 5.0)]),
          "dtype": "bfloat16", "layout": "nn"}]}))
     held = []
-    real = tuned.locked
+    real = tables.locked
 
     def locked(p):
         held.append(p)
         return real(p)
 
-    monkeypatch.setattr(tuned, "locked", locked)
-    read = tuned.read_table
+    monkeypatch.setattr(tables, "locked", locked)
+    read = tables.read_table
 
     def read_table(p):  # the read happens under the lock
         assert held == [path]
         return read(p)
 
-    monkeypatch.setattr(tuned, "read_table", read_table)
+    monkeypatch.setattr(tables, "read_table", read_table)
     assert main(["--redecide", "--out", str(path)]) == 0
     assert held == [path]
 
@@ -299,7 +300,7 @@ def test_table_of_another_triton_release_is_a_prior(tmp_path, monkeypatch):
                         "torch_us": 100.0 / (1 - gain)}
 
     def table(triton, sms, entries):
-        return json.dumps({"format": tuned.FORMAT, "device": "GPU", "capability": [9, 0], "sms": sms,
+        return json.dumps({"format": tables.FORMAT, "device": "GPU", "capability": [9, 0], "sms": sms,
                            "triton": triton, "torch": "2.11", "entries": entries})
 
     (tmp_path / "a.json").write_text(table("3.6.0", 132, {big: win(0.3), small: win(0.05), exact: win(0.3)}))
@@ -314,6 +315,6 @@ def test_table_of_another_triton_release_is_a_prior(tmp_path, monkeypatch):
     assert got[small]["backend"] == "torch" and got[small]["config"] == cfg and got[small]["prior"] == "3.6.0"
     assert got[exact]["backend"] == "torch" and "prior" not in got[exact]
     monkeypatch.setattr(tuned, "_table_for", lambda index: got)
-    d = dispatch._from_table(torch.device("cuda", 0), torch.bfloat16,
+    d = decide._from_table(torch.device("cuda", 0), torch.bfloat16,
                              plan(randn(2048, 512, dtype=torch.bfloat16), randn(512, 1024, dtype=torch.bfloat16)))
     assert d.backend == "triton" and "measured with triton 3.6.0, used as a prior" in d.reason

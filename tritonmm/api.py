@@ -1,14 +1,14 @@
 """The public entry points and their per-call fast path.
 
-The fastest path is a weight plan (:mod:`tritonmm.plans`): for an (N, K) weight that automatic dispatch sends
-to cuBLAS in every GEMM it can take part in (:func:`dispatch.weight_free`: the forward for any number of rows,
+The fastest path is a weight plan (:mod:`tritonmm.dispatch.plans`): for an (N, K) weight that automatic dispatch sends
+to cuBLAS in every GEMM it can take part in (:func:`decide.weight_free`: the forward for any number of rows,
 in its dtype or an autocast dtype, and both gradients), a call in the default state (nothing forced, not
 compiling) is ``F.linear`` / ``torch.matmul`` itself after one dictionary lookup, validated by the weight's
 data pointer (a new dtype, device or storage moves it; a plan only ever chooses torch's own call, so a stale
 one costs a missed Triton route, never a wrong result). Torch's own autograd, autocast (with its weight-cast
 cache), functorch and mode handling then apply. Everything else goes through the keyed routes
-(:mod:`tritonmm.routes`). Under ``torch.compile`` and ``torch.export`` the call is the op itself, which
-decides at trace time (:mod:`tritonmm.traced`).
+(:mod:`tritonmm.ops.routes`). Under ``torch.compile`` and ``torch.export`` the call is the op itself, which
+decides at trace time (:mod:`tritonmm.ops.traced`).
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import activations, dispatch, first_sight, gated, layout, modes, routes, runners, shapes
-from ._env import raw_env, raw_name
+from .core import activations, layout, modes, shapes
+from .core.env import raw_env, raw_name
+from .dispatch import decide, first_sight, runners, tuned
+from .dispatch.plans import free_ptrs, plans
 from .kernels import configs
-from .plans import free_ptrs, plans
+from .ops import eager, gated, routes
 
 _plans_get = plans.get
 _free_get = free_ptrs.get
-_forced = dispatch._forced.get
+_forced = decide._forced.get
 _is_compiling = torch.compiler.is_compiling
 # torch.compiler.is_compiling() reads this flag (torch.export and AOT tracing set it; Dynamo is checked apart);
 # read in place it costs a third of the call
@@ -67,7 +69,7 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
     and zero tensors, functorch transforms and forward-mode AD are handed to torch.matmul itself.
     """
     if _dynamo_compiling():
-        return routes.matmul_slow(input, other)
+        return eager.matmul_slow(input, other)
     ptr = _free_get(id(other))  # the weight plan (module docstring), checked inline
     if ptr is not None and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
         try:
@@ -85,7 +87,7 @@ def matmul(input: Tensor, other: Tensor) -> Tensor:
             except (AttributeError, RuntimeError):
                 pass
     if (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()) or _tracing_state() is not None:
-        return routes.matmul_slow(input, other)  # (jit tracing: every run of the trace takes one path)
+        return eager.matmul_slow(input, other)  # (jit tracing: every run of a trace takes one path)
     return routes.matmul_keyed(input, other)
 
 
@@ -111,7 +113,7 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     Under ``torch.autocast`` the inputs are cast to the autocast dtype as F.linear's are.
     """
     if _dynamo_compiling():
-        return routes.linear_slow(input, weight, bias, activation)
+        return eager.linear_slow(input, weight, bias, activation)
     ptr = _free_get(id(weight))  # the weight plan (module docstring), checked inline
     if ptr is not None and _forced() is None and _BACKEND not in raw_env and _KERNEL not in raw_env:
         try:
@@ -140,7 +142,7 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
             except (AttributeError, RuntimeError):
                 pass
     if (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()) or _tracing_state() is not None:
-        return routes.linear_slow(input, weight, bias, activation)  # (jit tracing: every run of the trace takes one path)
+        return eager.linear_slow(input, weight, bias, activation)  # (jit tracing: every run of a trace takes one path)
     return routes.linear_keyed(input, weight, bias, activation)
 
 
@@ -155,7 +157,7 @@ def torch_planned(weight) -> bool:
         return False
 
 
-def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
+def explain(a: Tensor, b: Tensor) -> decide.Decision:
     """The backend ``matmul(a, b)`` would take now, with the reason (``str()`` it to read it).
 
     Args:
@@ -169,21 +171,21 @@ def explain(a: Tensor, b: Tensor) -> dispatch.Decision:
         Those of :func:`matmul` for invalid operands (operands handed to torch.matmul itself, such as
         sparse ones, are not checked here).
     """
-    routes._require_tensor("a", a, "explain")
-    routes._require_tensor("b", b, "explain")
+    eager.require_tensor("a", a, "explain")
+    eager.require_tensor("b", b, "explain")
     if modes.torch_only(a, b):
-        return dispatch.Decision("torch", None, "functorch transform, forward-mode AD or nested tensor: "
+        return decide.Decision("torch", None, "functorch transform, forward-mode AD or nested tensor: "
                                                 "torch.matmul itself serves the call")
     if modes.own_torch_function(a, b):
-        return dispatch.Decision("torch", None, "a tensor subclass with its own __torch_function__: torch.matmul "
+        return decide.Decision("torch", None, "a tensor subclass with its own __torch_function__: torch.matmul "
                                                 "itself serves the call")
     if modes.unusual(a) or modes.unusual(b):
-        return dispatch.Decision("torch", None, "sparse, neg-bit (e.g. x.conj().imag) or zero tensor: "
+        return decide.Decision("torch", None, "sparse, neg-bit (e.g. x.conj().imag) or zero tensor: "
                                                 "torch.matmul itself serves the call")
     if torch._C._is_any_autocast_enabled():
-        dtype = routes._autocast_dtype(a)
+        dtype = eager.autocast_dtype(a)
         if dtype is not None:
-            a, b = routes._cast(a, dtype), routes._cast(b, dtype)
+            a, b = eager.cast(a, dtype), eager.cast(b, dtype)
     decision = runners.lookup(a, b, None, "none", "matmul").decision
     if decision.reason.startswith("not in this GPU's tuned table") or "used as a prior" in decision.reason:
         p = shapes.plan(a, b)
@@ -198,7 +200,7 @@ def clear_cache() -> None:
     environment variable takes effect everywhere, settled swapped layers included) and free this
     thread's workspace buffers."""
     configs.clear()
-    dispatch._tuned.clear()
+    tuned.clear()
     first_sight.forget()
     forget_decisions()
 
@@ -209,7 +211,7 @@ def forget_decisions() -> None:
     routes.clear()
     runners.clear_cache()
     gated.clear_cache()
-    dispatch.state_changed()
+    decide.state_changed()
 
 
 __all__ = ["clear_cache", "explain", "linear", "matmul"]

@@ -9,7 +9,7 @@ calls ``tritonmm.matmul`` / ``tritonmm.linear`` on problems drawn from a pool of
 geometries: float16, bfloat16 and float32 (TF32 allowed); 1-D, 2-D and batched operands with
 broadcasting; transposed and sliced (non-contiguous, unaligned) operands; fused bias and
 activations; automatic dispatch (a third) or a forced Triton kernel (TMA, pointer, split-K). Every
-result is checked against a float64 reference with :func:`tritonmm.testing.error_report`
+result is checked against a float64 reference with :func:`tritonmm.core.reference.error_report`
 (error within twice torch.matmul's plus rounding). Fresh N(0, 1) data each call, never zeros.
 
 It prints the calls made, mismatches and errors (both must be 0), the peak GPU memory
@@ -113,8 +113,8 @@ def run_case(g: dict, case: dict):
     import torch.nn.functional as F
 
     import tritonmm
-    from tritonmm.activations import apply_
-    from tritonmm.testing import error_report
+    from tritonmm.core.activations import apply_
+    from tritonmm.core.reference import error_report
 
     a, b, bias = case["a"], case["b"], case["bias"]
     with tritonmm.force_backend(g["backend"], g["kernel"] if g["backend"] == "triton" else "auto"):
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     if not args.autotune:
         os.environ.setdefault("TRITONMM_AUTOTUNE", "0")
     import tritonmm
-    from tritonmm import runners
+    from tritonmm.dispatch import runners
 
     torch.set_float32_matmul_precision("high")  # float32 problems use TF32, in torch.matmul and in tritonmm
     device = torch.device("cuda" if gpu else "cpu")

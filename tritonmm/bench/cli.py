@@ -44,20 +44,13 @@ import torch
 
 import tritonmm
 
+from ..tune.suite import DTYPES, default_suite, load_suite
 from . import mlp, model, per_call, readme
 from .cpu import cpu_check
 from .gemm import bench_linear_row, bench_matmul_row, inductor_pass
 from .model import CONFIGS
 from .report import from_json, plot, print_table, summarize, write_csv
 from .timing import machine_facts, warm_up_gpu
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def default_suite() -> pathlib.Path:
-    from ..kernels.configs import config_dir
-
-    return config_dir() / "shapes.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -109,30 +102,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.readme and not args.readme.is_file():
         p.error(f"--readme: no such file {args.readme}")
     return args
-
-
-def load_suite(path: pathlib.Path, tags) -> tuple[list[dict], list[str]]:
-    """The rows of a shape suite (``configs/shapes.json``'s format, which :func:`tritonmm.capture.geometries`
-    writes too) whose tag starts with one of ``tags`` (all rows without ``tags``), and the suite's dtypes.
-
-    Raises:
-        ValueError: the file cannot be read, or is not such a suite (the first bad row is named).
-    """
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ValueError(f"{path}: not a readable shape suite ({exc})") from None
-    rows, dtypes = (data.get("shapes"), data.get("dtypes", ["bfloat16"])) if isinstance(data, dict) else (None, None)
-    if not isinstance(rows, list) or not isinstance(dtypes, list) or not all(d in DTYPES for d in dtypes):
-        raise ValueError(f"{path}: a shape suite is a JSON object with a 'shapes' list (and an optional 'dtypes' "
-                         f"list of {', '.join(DTYPES)})")
-    for i, s in enumerate(rows):
-        if not (isinstance(s, dict) and isinstance(s.get("tag"), str) and all(type(s.get(k)) is int and s[k] > 0
-                                                                              for k in "MNK")
-                and s.get("dtype", "bfloat16") in DTYPES and s.get("layout", "nn") in ("nn", "nt")):
-            raise ValueError(f"{path}: shape row {i}, {s!r}, is not {{'tag': str, 'M', 'N', 'K': int > 0}} with an "
-                             f"optional 'dtype' ({', '.join(DTYPES)}) and 'layout' (nn, nt)")
-    return [s for s in rows if not tags or any(s["tag"].startswith(t) for t in tags)], dtypes
 
 
 def model_main(args) -> int:

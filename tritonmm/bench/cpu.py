@@ -16,15 +16,15 @@ def cpu_check() -> int:
     import torch.nn.functional as F
 
     import tritonmm
-    from tritonmm._env import interpreting
+    from tritonmm.core.env import interpreting
 
     if not interpreting():  # (a value that is neither on nor off raises ValueError naming the variable)
         if "TRITON_INTERPRET" in os.environ:
             print(f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} set to 1 for this check.")
         os.environ["TRITON_INTERPRET"] = "1"
         tritonmm.clear_cache()
+    from tritonmm.core.reference import error_report, randn
     from tritonmm.kernels import configs
-    from tritonmm.testing import error_report, randn
 
     print("No CUDA GPU: running the Triton kernels through Triton's interpreter (TRITON_INTERPRET=1) "
           "on small problems and checking them against float64 references.")

@@ -4,7 +4,7 @@ Every geometry (a family's nn.Linear weight, bf16, M tokens) runs once in this p
 machine table (a temporary ``TRITONMM_TUNED_DIR``) and first-sight tuning on: its first
 ``tritonmm.linear`` call is timed on the host (tuning included), checked against a float64 reference,
 and the decision it leaves is timed against ``F.linear`` in GPU time, call by call in alternation
-(:func:`tritonmm.bench.timing._bench_pair`). Then a second process makes the same first calls
+(:func:`tritonmm.core.timing._bench_pair`). Then a second process makes the same first calls
 with the table the first one wrote: it should measure nothing.
 """
 
@@ -48,7 +48,7 @@ def geometries() -> list[dict]:
 
 def _first_call(g: dict, gen) -> tuple:
     import tritonmm
-    from tritonmm import first_sight
+    from tritonmm.dispatch import first_sight
 
     tritonmm.clear_cache()  # as a new process: no weight plan made for an earlier tensor at the same address
     x = torch.randn(g["M"], g["K"], device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -73,9 +73,9 @@ def _fresh_process_env(table_dir: str) -> None:
 def run(rep: int = 60, progress=print) -> dict:
     """Measure every geometry (module docstring); returns the rows and the second process's counts."""
     import tritonmm
-    from tritonmm.testing import error_report
+    from tritonmm.core.reference import error_report
 
-    from .timing import _bench_pair
+    from ..core.timing import _bench_pair
 
     table_dir = tempfile.mkdtemp(prefix="tritonmm-first-sight-")
     _fresh_process_env(table_dir)

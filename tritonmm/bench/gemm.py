@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from .timing import _bench_pair, _bench_us, _first_call_ms
+from ..core.timing import _bench_pair, _bench_us
+from .timing import _first_call_ms
 
 
 def _backend_label(d) -> str:
@@ -35,7 +36,7 @@ def _linear_operands(shape: dict, dtype: torch.dtype, gen) -> tuple:
 
 def bench_matmul_row(shape: dict, dtype: torch.dtype, args, gen) -> dict:
     import tritonmm
-    from tritonmm.testing import error_report
+    from tritonmm.core.reference import error_report
 
     M, N, K = shape["M"], shape["N"], shape["K"]
     a, b = _matmul_operands(shape, dtype, args.layout, gen)
@@ -50,7 +51,8 @@ def bench_matmul_row(shape: dict, dtype: torch.dtype, args, gen) -> dict:
     if not args.no_kernel_only:
         # the Triton kernel alone: the tuned table's fastest Triton config for this shape where it
         # names one (also where cuBLAS won), else whatever @triton.autotune picks
-        from .. import shapes, tuned
+        from ..core import shapes
+        from ..dispatch import tuned
 
         e = tuned.entry(a.device, dtype, shapes.plan(a, b))
         named = e and e.get("config") and e.get("kernel") in ("tma", "pointer", "splitk")
@@ -128,7 +130,7 @@ def bench_linear_row(shape: dict, dtype: torch.dtype, args, gen) -> dict:
     import torch.nn.functional as F
 
     import tritonmm
-    from tritonmm.testing import error_report
+    from tritonmm.core.reference import error_report
 
     M, N, K = shape["M"], shape["N"], shape["K"]
     x, w, bias = _linear_operands(shape, dtype, gen)

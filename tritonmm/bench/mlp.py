@@ -75,7 +75,7 @@ def _peak_memory(runs: dict, base: str) -> dict:
 def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> list[dict]:
     """One row per (config, M): forward times and ratios, and forward + backward for M >= 512."""
     import tritonmm
-    from tritonmm import gated, gated_cublas
+    from tritonmm.dispatch import gated, gated_cublas
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []

@@ -99,8 +99,9 @@ def per_call_rows(device, rounds: int | None = None, calls: int = 400) -> list[d
 
 
 def _plan_name(weight) -> str:
-    """Which path the tritonmm calls on ``weight`` took after the timing: its weight plan (:mod:`tritonmm.plans`)."""
-    from tritonmm import plans
+    """Which path the tritonmm calls on ``weight`` took after the timing: its weight plan
+    (:mod:`tritonmm.dispatch.plans`)."""
+    from tritonmm.dispatch import plans
 
     if not plans.planned(weight):
         return "none (keyed route)"

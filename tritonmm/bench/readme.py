@@ -17,7 +17,7 @@ import json
 import pathlib
 import statistics
 
-from ..dispatch import TRITON_MIN_SAVING_US
+from ..dispatch.decide import TRITON_MIN_SAVING_US
 
 BEGIN = "<!-- table made by: python -m tritonmm.bench --readme README.md -->"
 END = "<!-- end of table -->"

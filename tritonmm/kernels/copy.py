@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._env import interpreting
-from ..layout import is_col_major, tma_compatible, tma_copy_shape
+from ..core.env import interpreting
+from ..core.layout import is_col_major, tma_compatible, tma_copy_shape
 from .launch import DirectLaunch
 
 BLOCK_R = 16
@@ -133,8 +133,8 @@ def tma_view(t: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
 
     Args:
         t (Tensor): 2-D operand.
-        buf (Tensor, optional): a contiguous, 16-byte aligned buffer of :func:`tritonmm.layout.tma_copy_shape`
-            and ``t``'s dtype to copy into (e.g. from :mod:`tritonmm.workspace`); default: a new one.
+        buf (Tensor, optional): a contiguous, 16-byte aligned buffer of :func:`tritonmm.core.layout.tma_copy_shape`
+            and ``t``'s dtype to copy into (e.g. from :mod:`tritonmm.core.workspace`); default: a new one.
     """
     if tma_compatible(t):
         return t

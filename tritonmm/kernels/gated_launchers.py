@@ -16,9 +16,9 @@ import functools
 import torch
 import triton
 
-from .. import device as _device
-from .._env import autotune_enabled, deterministic_configs, interpreting
-from ..layout import needs_int64
+from ..core import device as _device
+from ..core.env import autotune_enabled, deterministic_configs, interpreting
+from ..core.layout import needs_int64
 from . import configs as _cfg
 from .gated import _gated_kernel, _gated_tma_kernel
 from .launch import DirectLaunch, capturing, ensure_allocator, input_precision
@@ -116,7 +116,7 @@ def gated_launcher(kernel: str, M: int, N: int, K: int, stride_x: int, stride_wg
             ``stride_wg``, ``stride_wu``; all with unit column stride.
         bias_strides: (stride of bg, stride of bu), or None: no biases.
         save: also store G and U (for the backward).
-        activation: one of :data:`tritonmm.activations.ACTIVATIONS` but "none".
+        activation: one of :data:`tritonmm.core.activations.ACTIVATIONS` but "none".
         config: a gated config (see the module docstring); default: autotuned on first launch.
     """
     state = {"config": fixed_config(kernel, config, M, N, K, dtype, device)}

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._env import interpreting
+from ..core.env import interpreting
 from .common import _activation, _to_output
 from .launch import LAUNCH_FAILURES, DirectLaunch  # noqa: F401 (LAUNCH_FAILURES: for the callers)
 

@@ -13,8 +13,8 @@ from triton import knobs
 from triton.runtime import _allocation
 from triton.runtime import driver as _driver
 
-from .. import device as _device
-from .._env import autotune_enabled, deterministic_configs, interpreting
+from ..core import device as _device
+from ..core.env import autotune_enabled, deterministic_configs, interpreting
 from . import configs as _cfg
 from .pointer import _matmul_kernel
 from .tma import _matmul_tma_kernel
@@ -112,7 +112,7 @@ def fixed_config(kernel: str, config, M, N, K, dtype: torch.dtype, device: torch
     """The config to launch without autotuning, or None to autotune.
 
     An explicit config wins; under the interpreter, its single config; with
-    ``TRITONMM_AUTOTUNE=0`` or several ranks (:func:`tritonmm._env.deterministic_configs`), the
+    ``TRITONMM_AUTOTUNE=0`` or several ranks (:func:`tritonmm.core.env.deterministic_configs`), the
     quantization heuristic's pick.
     """
     if config is not None:

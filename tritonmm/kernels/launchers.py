@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from .. import device as _device
-from .. import workspace
-from .._env import interpreting
-from ..layout import needs_int64, tma_layout
+from ..core import device as _device
+from ..core import workspace
+from ..core.env import interpreting
+from ..core.layout import needs_int64, tma_layout
 from . import configs as _cfg
 from .launch import DirectLaunch, autotune, capturing, ensure_allocator, fixed_config, heuristic_config, input_precision
 from .pointer import _matmul_kernel
@@ -39,7 +39,7 @@ def pointer_launcher(M, N, K, B0, B1, sa, sb, sc, dtype, device, bias_stride=Non
             B (B0, B1, K, N) and C (B0, B1, M, N); the tensors passed later point at element 0.
         dtype, device: of A, B and C.
         bias_stride (int, optional): the (N,) bias's stride; None: no bias.
-        activation (str): one of :data:`tritonmm.activations.ACTIVATIONS`.
+        activation (str): one of :data:`tritonmm.core.activations.ACTIVATIONS`.
         config (dict, optional): explicit config; default: autotuned (GPU), the interpreter's, or the heuristic's.
         split_k (bool): split K over ``SPLIT_K`` programs; their fp32 partials go to the workspace and
             each tile's last split sums them and applies the epilogue; needs B0 = B1 = 1.
@@ -106,7 +106,7 @@ def tma_launcher(M, N, K, a_trans, stride_a, b_trans, stride_b, dtype, device, b
     Args:
         M, N, K (int): GEMM sizes.
         a_trans, stride_a: A is read as (M, K) row-major with row stride ``stride_a`` elements, or,
-            when ``a_trans``, through its (K, M) row-major storage (see :func:`tritonmm.layout.tma_layout`).
+            when ``a_trans``, through its (K, M) row-major storage (see :func:`tritonmm.core.layout.tma_layout`).
         b_trans, stride_b: likewise for B (K, N); ``b_trans`` reads an (N, K) nn.Linear weight in place.
         dtype, device, bias_stride, activation, config: as in :func:`pointer_launcher`. A config with
             ``SPLIT_K`` >= 2 splits K: (SPLIT_K, M, N) fp32 partials in the workspace (slot
@@ -183,7 +183,7 @@ def launch_pointer(a4, b4, c4, bias=None, activation="none", config=None, split_
 
 def launch_tma(a2, b2, c2, bias=None, activation="none", config=None):
     """C2 = act(A2 @ B2 + bias) with the TMA kernel; A2 (M, K) and B2 (K, N) accepted by
-    :func:`tritonmm.layout.tma_compatible`, C2 a contiguous (M, N) tensor.
+    :func:`tritonmm.core.layout.tma_compatible`, C2 a contiguous (M, N) tensor.
 
     Returns:
         dict: the config that ran.

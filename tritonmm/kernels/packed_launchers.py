@@ -16,8 +16,8 @@ import functools
 import torch
 import triton
 
-from .. import device as _device
-from .._env import autotune_enabled, deterministic_configs, interpreting
+from ..core import device as _device
+from ..core.env import autotune_enabled, deterministic_configs, interpreting
 from . import configs as _cfg
 from .gated_packed import _gated_packed_backward_kernel, _gated_packed_kernel
 from .launch import DirectLaunch, capturing, ensure_allocator, input_precision

@@ -3,7 +3,7 @@
 After Triton's tutorial 09: grid = number of SMs, output tiles visited in group-M order, tiles loaded
 through device-side TMA tensor descriptors (``tl.make_tensor_descriptor``, which needs
 ``triton.set_allocator``). Operands need a unit stride and 16-byte aligned base and leading stride
-(:func:`tritonmm.layout.tma_compatible`). With ``SPLIT_K`` > 1 it visits (tile, split) work units and
+(:func:`tritonmm.core.layout.tma_compatible`). With ``SPLIT_K`` > 1 it visits (tile, split) work units and
 reduces like the pointer kernel: fp32 partials, an arrival counter, the last split sums in order and
 applies the epilogue.
 """
