@@ -1,7 +1,7 @@
 """Gradient formulas of ``tritonmm::matmul`` and ``tritonmm::linear``; their GEMMs run through tritonmm.
 
-Used by the ops' registered autograd (:mod:`tritonmm.ops`) and by the eager
-``torch.autograd.Function`` classes of :mod:`tritonmm.api`: one set of formulas for both.
+Used by the ops' registered autograd (:mod:`tritonmm.ops.library`) and by the eager
+``torch.autograd.Function`` classes of :mod:`tritonmm.ops.eager`: one set of formulas for both.
 """
 
 from __future__ import annotations
