@@ -13,7 +13,7 @@
 #   mlp     python -m tritonmm.bench --mlp -> $OUT/h200_mlp.json (MLP_ARGS adds flags)
 #   first_sight  python -m tritonmm.bench --first-sight -> $OUT/h200_first_sight.json
 #   suite   python -m tritonmm.bench on SUITE_TAGS (default: every shape) -> $OUT/h200.json, $OUT/h200.png
-#   qkv     python3 benchmarks/h200_qkv.py -> $OUT/h200_qkv.json
+#   qkv     python3 benchmarks/diagnostics/h200_qkv.py -> $OUT/h200_qkv.json
 #   host    benchmarks/diagnostics/h200_host.py: per-call host cost and a profile (printed)
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
@@ -37,7 +37,7 @@ for step in "$@"; do
              2>&1 | tee "$OUT/first_sight.log" | tail -130 ;;
     suite) T "${BENCH_TIMEOUT:-300}" python3 -m tritonmm.bench --rep 60 ${SUITE_TAGS:+--tags $SUITE_TAGS} \
              --json "$OUT/h200.json" --plot "$OUT/h200.png" ;;
-    qkv) T "${QKV_TIMEOUT:-400}" python3 benchmarks/h200_qkv.py 2>&1 | tail -40 ;;
+    qkv) T "${QKV_TIMEOUT:-400}" python3 benchmarks/diagnostics/h200_qkv.py 2>&1 | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done

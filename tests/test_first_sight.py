@@ -368,7 +368,7 @@ def test_gpu_a_new_geometry_is_measured_once_per_machine(gpu_table):
     assert_matches_reference(xg.grad, g, wg.detach())
     assert_matches_reference(wg.grad, g.t(), xg.detach())
     # a second process with this table measures nothing
-    code = ("import torch, tritonmm; from tritonmm import first_sight; "
+    code = ("import torch, tritonmm; from tritonmm.dispatch import first_sight; "
             "x = torch.randn(3000, 4096, device='cuda', dtype=torch.bfloat16); "
             "w = torch.randn(5000, 4096, device='cuda', dtype=torch.bfloat16); tritonmm.linear(x, w); "
             "print(first_sight.stats['measured'])")

@@ -15,6 +15,7 @@ from tritonmm.core.reference import EPS, randn
 from tritonmm.dispatch import gated
 from tritonmm.kernels.gated_launchers import gated_launcher
 from tritonmm.ops import gated as gated_op
+from tritonmm.ops import gated_mlp
 
 pytestmark = pytest.mark.interpreter
 
@@ -359,9 +360,12 @@ def _down_hook(module, args, output):  # module level: fused models with it must
 
 
 def _count_gated(monkeypatch):
+    """Calls of the gated linear's forward, or of the fused MLP's training Function's product."""
     calls = []
     real = gated_op.forward
     monkeypatch.setattr(gated_op, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_product = gated_mlp._product
+    monkeypatch.setattr(gated_mlp, "_product", lambda *a: calls.append(2) or real_product(*a))
     return calls
 
 

@@ -81,8 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "fuse / off again (A/A)")
     p.add_argument("--model-configs", nargs="+", choices=list(CONFIGS), default=None,
                    help="with --model: which configs (default: small and llama3-8b-2l on a GPU, tiny without)")
-    p.add_argument("--model-phases", nargs="+", choices=["eager", "train", "compile", "per_call"], default=None,
-                   help="with --model: which phases (default: all, the per-call rows last; compile needs a GPU)")
+    p.add_argument("--model-phases", nargs="+", choices=["eager", "train", "compile", "static", "per_call"], default=None,
+                   help="with --model: which phases (default: all, the per-call rows last; compile and static need a GPU)")
     p.add_argument("--rounds", type=int, default=15, help="with --model / --mlp: rounds of alternation (default 15)")
     p.add_argument("--mlp", action="store_true",
                    help="the MLP-block benchmark: transformers' LlamaMLP eager vs tritonmm.fuse, the cuBLAS bound and "

@@ -4,7 +4,8 @@ host cost of each entry point (:mod:`tritonmm.bench.per_call`).
 
 Phases (each timed per mode, the order of the modes rotated round by round, wall time between
 ``torch.cuda.synchronize()`` calls): eager prefill, eager decode with a KV cache, a training step
-(fp32 weights, bf16 autocast, AdamW), torch.compile prefill and CUDA-graph replay of a forward.
+(fp32 weights, bf16 autocast, AdamW), torch.compile prefill, CUDA-graph replay of a forward, and decode with a
+static KV cache under ``torch.compile(mode="reduce-overhead")`` (off against fuse).
 Ratios are off time / on time (> 1: tritonmm faster), against an A/A control (tritonmm off as a second
 contender), each with a 95% interval (:func:`tritonmm.bench.timing.median_interval`). Eager decode, paced by
 the host, whose wall time varies by a few percent from sample to sample on a shared host, and eager and compiled
@@ -260,6 +261,62 @@ def compile_phase(name: str, device, rounds: int) -> list[dict]:
     return [_row("torch.compile prefill 4 x 1024", name, ms)]
 
 
+def static_decode_phase(name: str, device, rounds: int) -> list[dict]:
+    """Decode with transformers' ``StaticCache``, the model compiled with ``mode="reduce-overhead"`` (CUDA graphs),
+    ``fullgraph=True``: the serving setup. One compiled copy per mode (off, fuse and the control), all reading the
+    same parameters but fuse's packed gate and up weights. The 64-token prompt is filled once (eager); each sample
+    decodes the same 32 positions again, one token per sequence per call (the cache's slots rewritten)."""
+    import tritonmm
+    from transformers import StaticCache
+
+    model = build_model(name, device, torch.bfloat16)
+    vocab, prompt_len, new_tokens = model.config.vocab_size, 64, 32
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    by_position = "cache_position" in inspect.signature(type(model.model).forward).parameters  # (older transformers)
+    rows = []
+    for batch in (1, 16):
+        prompt, step = _tokens(vocab, batch, prompt_len, device), _tokens(vocab, batch, new_tokens, device)
+        positions = [torch.tensor([prompt_len + t], device=device) for t in range(new_tokens)]
+        runs = {}
+        for m in ("off", "fuse", CONTROL):
+            copied = copy.deepcopy(model, memo=dict(shared))
+            if m == "fuse":
+                tritonmm.fuse(copied)
+            cache = StaticCache(config=copied.config, max_cache_len=prompt_len + new_tokens)
+            with torch.no_grad():
+                copied(prompt, use_cache=True, **{cache_arg: cache},
+                       **({"cache_position": torch.arange(prompt_len, device=device)} if by_position else {}))
+            forward = torch.compile(copied, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+            def decode(forward=forward, cache=cache):
+                _rewind(cache, prompt_len)
+                for t in range(new_tokens):
+                    out = forward(step[:, t:t + 1], use_cache=True, position_ids=positions[t].expand(batch, 1),
+                                  **{cache_arg: cache}, **({"cache_position": positions[t]} if by_position else {}))
+                return out.logits
+
+            runs[m] = (contextlib.nullcontext, decode)
+        with torch.no_grad():
+            ms = alternate(runs, device, rounds, iters=1, warmup=3)
+        rows.append(_row(f"compiled static-cache decode {batch} seq x {new_tokens} tokens", name, ms))
+        del runs
+        torch._dynamo.reset()
+    del model
+    return rows
+
+
+def _rewind(cache, length: int) -> None:
+    """A static cache's write position back to ``length`` (transformers versions whose layers count the tokens
+    written; older ones write at the ``cache_position`` each call passes)."""
+    for layer in getattr(cache, "layers", ()):
+        written = getattr(layer, "cumulative_length", None)
+        if isinstance(written, torch.Tensor):
+            written.fill_(length)
+        elif written is not None:
+            layer.cumulative_length = length
+
+
 def run(device, rounds: int = 15, configs=None, phases=None, progress=print, measured=None) -> dict:
     """Every phase of every config, then the per-call rows (``phases`` naming "per_call", as by default);
     returns what the JSON holds. ``rounds`` is rounded up to whole blocks (:func:`alternate`). ``measured(rows)``,
@@ -268,7 +325,7 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print, mea
     rounds = max(1, rounds)
     gpu = device.type == "cuda"
     configs = configs or (["small", "llama3-8b-2l"] if gpu else ["tiny"])
-    phases = phases or (["eager", "train", "compile", "per_call"] if gpu else ["eager", "train", "per_call"])
+    phases = phases or (["eager", "train", "compile", "static", "per_call"] if gpu else ["eager", "train", "per_call"])
     rows = []
     progress(f"each phase as it ends:\n{_HEADER}")
     for name in configs:
@@ -276,7 +333,10 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print, mea
         for phase in (p for p in phases if p != "per_call"):
             progress(f"model {name}: {phase}")
             fn = {"eager": eager_phases, "train": train_phases}.get(phase)
-            new = fn(name, device, rounds, small) if fn else compile_phase(name, device, rounds)
+            if fn is not None:
+                new = fn(name, device, rounds, small)
+            else:
+                new = (static_decode_phase if phase == "static" else compile_phase)(name, device, rounds)
             for r in new:
                 progress(_line(r))
             rows += new
@@ -292,11 +352,12 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print, mea
 
 def _line(r: dict) -> str:
     nan = float("nan")
-    return (f"{r['config']:14} {r['phase']:36} {r['off_ms']:>9.3f} {r['swap_ratio']:>6.3f} {r['patch_ratio']:>6.3f} "
+    return (f"{r['config']:14} {r['phase']:48} {r['off_ms']:>9.3f} {r.get('swap_ratio', nan):>6.3f} "
+            f"{r.get('patch_ratio', nan):>6.3f} "
             f"{r.get('fuse_ratio', nan):>6.3f} {r.get('control_ratio', nan):>6.3f}")
 
 
-_HEADER = f"{'config':14} {'phase':36} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6} {'A/A':>6}  (off time / on time)"
+_HEADER = f"{'config':14} {'phase':48} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6} {'A/A':>6}  (off time / on time)"
 
 
 def print_report(result: dict) -> None:

@@ -30,13 +30,13 @@ from . import runners
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The dtypes the Triton kernels of the gated linear take."""
-PACKED_KERNEL_MIN_FLOPS = 2**35
-"""FLOP per projection (2·M·N·K, 3.4e10) from which a call on packed weights without autograd, of more than
+PACKED_KERNEL_MIN_FLOPS = 2**36
+"""FLOP per projection (2·M·N·K, 6.9e10) from which a call on packed weights without autograd, of more than
 :data:`tritonmm.dispatch.gated.GATED_MAX_M` rows, runs the gated GEMM on them (:mod:`tritonmm.kernels.gated_packed`)
 instead of the torch expression or the cuBLAS GEMM and the product pass: measured faster there
-(``benchmarks/h200_mlp.json``, ``kernel_ratio``); below, the host sets the pace and the path's own host time can cost
-more than it saves.
-None: never."""
+(``benchmarks/h100_mlp.json``, ``kernel_ratio``; ``benchmarks/h100_model.json``, prefill 4 x 1024 and graph replay
+4 x 512). Below, the host sets more of the pace: a Llama-3-8B-sized model's 1 x 512 prefill (6.0e10 per projection)
+ran slower with it. None: never."""
 PACKED_KERNEL_SAVE = False
 """Whether calls that keep the projections for the backward run it too: they ran slower than the cuBLAS GEMM
 and the product pass (``benchmarks/h200_mlp.json``)."""
@@ -253,6 +253,15 @@ def grads(dh, g, u, activation, needs):
     d_gate = torch.autograd.grad(act, g_, dh * u)[0] if any(needs[i] for i in (0, 1, 3)) else None
     d_up = dh * act.detach() if any(needs[i] for i in (0, 2, 4)) else None
     return d_gate, d_up, None
+
+
+def grads_into(dh, g, u, activation) -> None:
+    """Both projections' gradients written over the projections, and the product over ``dh``, in one Triton pass:
+    ``g`` becomes ``dh * u * act'(g)``, ``u`` becomes ``dh * act(g)`` and ``dh`` becomes ``act(g) * u`` as
+    :func:`product` rounds it (each element read before it is written; ``g`` and ``u`` the :func:`halves` of one
+    tensor, ``dh`` contiguous, one dtype and device the kernels take)."""
+    if g.numel():
+        (_kernels or _load()).gated_product_backward(dh, g, u, g, u, activation, h_over_dh=True)
 
 
 def clear_cache() -> None:

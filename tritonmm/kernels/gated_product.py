@@ -85,7 +85,10 @@ def _gated_product_halves_kernel(gu_ptr, h_ptr, N, ACTIVATION: tl.constexpr, UPC
 
 @triton.jit
 def _gated_product_backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, N, stride_dh, stride_in, stride_out,
-                                   ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, BLOCK: tl.constexpr):
+                                   ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, BLOCK: tl.constexpr,
+                                   H_OVER_DH: tl.constexpr = False):
+    """dg and du from dh, g and u; with ``H_OVER_DH`` also the product act(g) * u, as the forward rounds it, written
+    over dh (each element read before it is written)."""
     row, cols, mask = _rows_cols(N, BLOCK)
     dh = tl.load(dh_ptr + row * stride_dh + cols, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + row * stride_in + cols, mask=mask).to(tl.float32)
@@ -100,6 +103,8 @@ def _gated_product_backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, N, stri
     else:
         dg = d_act * _activation_grad(g, ACTIVATION)
     tl.store(dg_ptr + out, _to_output(dg, dtype, UPCAST), mask=mask)
+    if H_OVER_DH:
+        tl.store(dh_ptr + row * stride_dh + cols, _to_output(a * u, dtype, UPCAST), mask=mask)
 
 
 def _geometry(tensors, strided) -> tuple:
@@ -110,21 +115,23 @@ def _geometry(tensors, strided) -> tuple:
     return (*tensors[0].shape, *(t.stride(0) for t in strided))
 
 
-def _launcher(fn, tensors, geometry, activation: str) -> DirectLaunch:
+def _launcher(fn, tensors, geometry, activation: str, **extra) -> DirectLaunch:
     t = tensors[0]
-    key = (fn, geometry, t.dtype, t.device, activation, tuple(x.data_ptr() % 16 == 0 for x in tensors))
-    return _bound(key, fn, *geometry[:2], t.dtype, activation)
+    key = (fn, geometry, t.dtype, t.device, activation, tuple(x.data_ptr() % 16 == 0 for x in tensors),
+           *extra.items())
+    return _bound(key, fn, *geometry[:2], t.dtype, activation, **extra)
 
 
-def _bound(key, fn, rows: int, N: int, dtype: torch.dtype, activation: str) -> DirectLaunch:
-    """The launcher kept under ``key``: ``fn`` over rows of N elements, made on first use."""
+def _bound(key, fn, rows: int, N: int, dtype: torch.dtype, activation: str, **extra) -> DirectLaunch:
+    """The launcher kept under ``key``: ``fn`` over rows of N elements, made on first use (``extra``: other
+    constexpr arguments)."""
     launch = _launchers.get(key)
     if launch is None:
         if len(_launchers) >= _LAUNCHERS_MAX:
             _launchers.clear()
         upcast = interpreting() and dtype == torch.bfloat16
         launch = _launchers[key] = DirectLaunch(fn, (rows * triton.cdiv(N, BLOCK),), dict(
-            ACTIVATION=activation, UPCAST=upcast, BLOCK=BLOCK, num_warps=NUM_WARPS))
+            ACTIVATION=activation, UPCAST=upcast, BLOCK=BLOCK, num_warps=NUM_WARPS, **extra))
     return launch
 
 
@@ -143,11 +150,13 @@ def halves_launcher(rows: int, N: int, dtype: torch.dtype, device: torch.device,
 
 
 def gated_product_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,
-                           activation: str) -> None:
+                           activation: str, h_over_dh: bool = False) -> None:
     """``dg = dh * u * act'(g)`` and ``du = dh * act(g)`` for tensors of one size, dtype and device: all
-    contiguous, or 2-D with unit column strides, ``g`` and ``u`` at one row stride, ``dg`` and ``du`` at one."""
+    contiguous, or 2-D with unit column strides, ``g`` and ``u`` at one row stride, ``dg`` and ``du`` at one
+    (``dg`` may be ``g`` and ``du`` ``u``); with ``h_over_dh`` the product ``act(g) * u`` is written over ``dh``."""
     geometry = _geometry((dh, g, u, dg, du), (dh, g, dg))
-    _launcher(_gated_product_backward_kernel, (dh, g, u, dg, du), geometry, activation)(
+    extra = {"H_OVER_DH": True} if h_over_dh else {}
+    _launcher(_gated_product_backward_kernel, (dh, g, u, dg, du), geometry, activation, **extra)(
         (dh, g, u, dg, du, *geometry[1:]))
 
 

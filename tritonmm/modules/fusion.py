@@ -50,6 +50,7 @@ from ..core.modes import PLAIN
 from ..dispatch.gated import torch_serves
 from ..dispatch.gated_cublas import serves
 from ..ops.gated import gated_linear
+from ..ops.gated_mlp import gated_mlp
 from . import packing, qkv
 from .linear import _original_forward, _settled_forward, reduce_as_base, require_module, settle, settled_class, \
     subclassable
@@ -156,6 +157,7 @@ def _kind(cls: type) -> Optional[str]:
 _F_linear = F.linear
 _is_compiling = torch.compiler.is_compiling
 _TORCH_LINEAR_FORWARDS = (_original_forward, _settled_forward)
+_grad_enabled = torch.is_grad_enabled
 
 
 def _kernel_dtype_device(x) -> bool:
@@ -190,10 +192,14 @@ def _fused_forward(self, x):
             if wg is _MISSING or wu is _MISSING or bg is _MISSING or bu is _MISSING:  # not parameters: as modules read them
                 wg, wu, bg, bu = _param(gate, "weight"), _param(up, "weight"), _param(gate, "bias"), _param(up, "bias")
             if _plain_params(wg, bg) and _plain_params(wu, bu):  # (torch_serves was checked above)
-                h = gated_linear(x, wg, wu, bg, bu, name)
                 if type(down).forward in _TORCH_LINEAR_FORWARDS and plain(down) and not _any_hooked(down):
-                    return _F_linear(h, _param(down, "weight"), _param(down, "bias"))  # its forward, without __call__
-                return down(h)
+                    wd, bd = _param(down, "weight"), _param(down, "bias")
+                    if not compiling and bg is None and bu is None and _grad_enabled():
+                        y = gated_mlp(x, wg, wu, wd, bd, name)  # training: the MLP as one autograd Function
+                        if y is not None:
+                            return y
+                    return _F_linear(gated_linear(x, wg, wu, bg, bu, name), wd, bd)  # its forward, without __call__
+                return down(gated_linear(x, wg, wu, bg, bu, name))
     return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # the recognised forward, written out
 
 

@@ -1,7 +1,7 @@
 """q, k and v as three GEMMs against one GEMM on the packed weights (triton.testing.do_bench, L2 flushed,
 host launch gaps included), and the Llama-3-8B-sized model's prefill with a fused attention's one GEMM on
 and off (MLPs fused in both), alternated as the model benchmark alternates, with a CUDA kernel profile
-of one forward each (printed): python3 benchmarks/h200_qkv.py (writes $OUT/h200_qkv.json, default /tmp/out)."""
+of one forward each (printed): python3 benchmarks/diagnostics/h200_qkv.py (writes $OUT/h200_qkv.json, default /tmp/out)."""
 import contextlib
 import json
 import os
