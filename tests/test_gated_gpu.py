@@ -231,8 +231,9 @@ def test_fused_sequential_linear_activation_over_m(M, monkeypatch):
 
 
 def test_decode_geometry_is_measured_once_per_machine_never_in_capture(tmp_path, monkeypatch):
-    """First-sight tuning of the gated kernel (gated_tuning): one measurement per geometry, within about a
-    second, recorded in this machine's table; none in CUDA-graph capture; a second process measures nothing."""
+    """First-sight tuning of the gated kernel (gated_tuning): one measurement per geometry, within one to two
+    seconds (more where the kernels compile on a fresh machine), recorded in this machine's table; none in CUDA-graph
+    capture; a second process measures nothing."""
     import json
     import os
     import subprocess
@@ -254,7 +255,7 @@ def test_decode_geometry_is_measured_once_per_machine_never_in_capture(tmp_path,
     (path,) = tmp_path.glob("*.json")
     entry = tables.read_table(path)["entries"]["bfloat16:16:5632:2048:gated_silu"]
     print(json.dumps(entry))
-    assert entry["first_sight_s"] < 1.5 and entry["torch_us"] > 0
+    assert entry["first_sight_s"] < 3.0 and entry["torch_us"] > 0
     assert gated_tuning.entry(x.device, BF16, 3, 5632, 2048, "silu") == entry
     # inside capture: nothing measured, the call served; the next eager call measures
     x1, wg1, wu1, _, _ = _operands(1, 4096, 2048)

@@ -206,3 +206,94 @@ def test_activation_memory_kept_for_the_backward_is_half_eagers(counted):
     assert counted
     assert eager_bytes == 4 * 64 * 24 * 4
     assert fused_bytes == 2 * 64 * 24 * 4
+
+
+
+
+def test_in_place_changes_torch_allows_are_allowed(counted):
+    """Only what torch saves is checked: the down bias changed in place after the forward; a frozen MLP whose input
+    is changed in place after it (a residual added in place)."""
+    torch.manual_seed(7)
+    mlp = MLP(down_bias=True)
+    fused = tritonmm.fuse(copy.deepcopy(mlp))
+    outs, x0 = [], randn(30, 40)
+    for module in (fused, mlp):
+        x = x0.clone().requires_grad_()
+        y = module(x)
+        with torch.no_grad():
+            module.down_proj.bias.add_(1)
+        y.sum().backward()
+        outs.append([x.grad] + [p.grad for p in module.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for module in (fused, mlp):
+        module.zero_grad(set_to_none=True)
+        module.requires_grad_(False)
+    outs, x0 = [], randn(30, 40)
+    for module in (fused, mlp):
+        leaf = x0.clone().requires_grad_()
+        h = leaf * 1.0
+        h += module(h)
+        h.sum().backward()
+        outs.append(leaf.grad)
+    assert len(counted) >= 2
+    torch.testing.assert_close(*outs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("between", ["copying hooks", "unfuse", "layout-changing hooks"])
+def test_second_backward_and_saved_tensor_hooks(between, counted):
+    """Hooks that copy the saved tensors, or give them back in another layout; unfuse between two backwards."""
+    torch.manual_seed(8)
+    mlp = MLP()
+    fused = tritonmm.fuse(copy.deepcopy(mlp))
+    x0, dy = randn(30, 40), randn(30, 40)
+    hooks = {"copying hooks": (lambda t: t.clone(), lambda t: t),
+             "layout-changing hooks": (lambda t: t.t().contiguous() if t.dim() == 2 else t,
+                                       lambda t: t.t() if t.dim() == 2 else t),
+             "unfuse": (lambda t: t, lambda t: t)}[between]
+    results = []
+    for module in (fused, mlp):
+        x = x0.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            y = module(x)
+        y.backward(dy, retain_graph=True)
+        first = [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
+        if between == "unfuse" and module is fused:
+            tritonmm.unfuse(module)
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        y.backward(dy)
+        results.append((first, [x.grad] + [p.grad for p in module.parameters()]))
+    assert counted
+    for (f1, s1), (f2, s2) in [results]:
+        for a, b, c, d in zip(f1, s1, f2, s2):
+            torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(b, d, rtol=1e-4, atol=1e-5)
+
+
+def test_saved_tensors_a_hook_keeps_are_not_changed(counted):
+    kept = []
+    fused = tritonmm.fuse(MLP())
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = fused(randn(30, 40).requires_grad_())
+    before = [t.clone() for t in kept]
+    y.sum().backward()
+    assert counted and all(torch.equal(a, b) for a, b in zip(before, kept))
+
+
+def test_batched_gradients(counted):
+    """``is_grads_batched`` and a vectorized jacobian (torch's batched tensors reach the backward)."""
+    torch.manual_seed(9)
+    mlp = MLP()
+    fused = tritonmm.fuse(copy.deepcopy(mlp))
+    x, v = randn(30, 40), randn(3, 30, 40)
+    grads = []
+    for module in (fused, mlp):
+        xx = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(module(xx), xx, v, is_grads_batched=True)
+        jac = torch.autograd.functional.jacobian(lambda t: module(t).sum(0), x[:20], vectorize=True)
+        grads.append((g, jac))
+    assert counted
+    assert grads[0][0].shape == (3, 30, 40) and grads[0][1].shape == (40, 20, 40)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -255,13 +255,14 @@ def grads(dh, g, u, activation, needs):
     return d_gate, d_up, None
 
 
-def grads_into(dh, g, u, activation) -> None:
-    """Both projections' gradients written over the projections, and the product over ``dh``, in one Triton pass:
-    ``g`` becomes ``dh * u * act'(g)``, ``u`` becomes ``dh * act(g)`` and ``dh`` becomes ``act(g) * u`` as
-    :func:`product` rounds it (each element read before it is written; ``g`` and ``u`` the :func:`halves` of one
-    tensor, ``dh`` contiguous, one dtype and device the kernels take)."""
+def grads_into(dh, g, u, activation, dg=None, du=None) -> None:
+    """Both projections' gradients, and the product over ``dh``, in one Triton pass: ``dg = dh * u * act'(g)`` and
+    ``du = dh * act(g)`` (by default over ``g`` and ``u``, each element read before it is written), and ``dh``
+    becomes ``act(g) * u`` as :func:`product` rounds it. ``g`` and ``u`` are the :func:`halves` of one tensor, so
+    are ``dg`` and ``du``; ``dh`` is contiguous; one dtype and device the kernels take."""
     if g.numel():
-        (_kernels or _load()).gated_product_backward(dh, g, u, g, u, activation, h_over_dh=True)
+        (_kernels or _load()).gated_product_backward(dh, g, u, g if dg is None else dg, u if du is None else du,
+                                                     activation, h_over_dh=True)
 
 
 def clear_cache() -> None:

@@ -79,9 +79,9 @@ def recompute_inputs(ctx, saved) -> tuple:
         if other is not None:
             t = other[0]
             if other[1] is not None and t._version != other[1]:
-                raise RuntimeError("tritonmm.gated_linear: a backward with create_graph=True recomputes the "
-                                   "expression from its inputs, and one of them was modified by an inplace "
-                                   "operation since the forward")
+                raise RuntimeError("tritonmm: a backward that recomputes the forward (with create_graph=True, of "
+                                   "batched gradients, or a fused MLP's second backward) needs its inputs, and one of "
+                                   "them was modified by an inplace operation since the forward")
         out.append(t)
     return tuple(out)
 

@@ -29,7 +29,7 @@ from torch import Tensor
 from ..core import activations, modes
 from ..dispatch import gated_cublas
 from ..dispatch.gated import GATED_MAX_M, below_product_flops
-from . import eager
+from . import eager, gated_grads
 from .gated_args import PackedCast
 
 _any_autocast = torch._C._is_any_autocast_enabled
@@ -45,49 +45,81 @@ def _product(gu: Tensor, N: int, activation: str) -> Tensor:
     return h
 
 
+_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``, checkpointing)
+    are active: they may keep the saved tensors or give them back in another layout."""
+    return _hooks is None or _hooks(False) is not None
+
+
+def _gate_up(x2: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
+    """[G | U] = x2 @ [Wg; Wu]^T as one GEMM (the weights stacked first where they no longer lie packed)."""
+    w = gated_cublas.packed(w_gate, w_up)
+    return torch.mm(x2, (w if w is not None else torch.cat([w_gate, w_up])).t())
+
+
 class _GatedMLPFunction(torch.autograd.Function):
-    """down(act(gate(x)) * up(x)) in eager mode with autograd; saves x, the weights and [G | U]."""
+    """down(act(gate(x)) * up(x)) in eager mode with autograd. Saves [G | U] and, as torch would, x where a weight
+    of gate or up needs a gradient, those weights where x does, the down weight where any of them does; the other
+    inputs are kept with their versions for a second backward that recomputes [G | U] and for one with
+    ``create_graph=True``."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, b_down, activation):
         M, K, N = x.shape[:-1].numel(), x.shape[-1], w_gate.shape[0]
-        gu = torch.mm(x.reshape(M, K), gated_cublas.packed(w_gate, w_up).t())
+        gu = _gate_up(x.reshape(M, K), w_gate, w_up)
         y = F.linear(_product(gu, N, activation), w_down, b_down)
-        ctx.save_for_backward(x, w_gate, w_up, w_down, b_down, gu)
-        ctx.activation, ctx.consumed = activation, False
+        needs = ctx.needs_input_grad
+        keep = (needs[1] or needs[2], needs[0], needs[0], needs[0] or needs[1] or needs[2], False)
+        inputs = (x, w_gate, w_up, w_down, b_down)
+        ctx.save_for_backward(*(t if k else None for t, k in zip(inputs, keep)), gu)
+        ctx.others = tuple(None if k or t is None else (t, None if t.is_inference() else t._version)
+                           for t, k in zip(inputs, keep))
+        ctx.activation, ctx.consumed, ctx.x_shape = activation, False, x.shape
+        ctx.in_place = not _saved_tensor_hooks()  # (hooks may hold the saved tensor: it must stay as it was)
         return y.view(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x, w_gate, w_up, w_down, b_down, gu = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:5]
+        *saved, gu = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:5])
         activation = ctx.activation
-        if torch.is_grad_enabled():  # create_graph=True: the torch expression, recomputed and differentiated
-            inputs = (x, w_gate, w_up, w_down, b_down)
+        if torch.is_grad_enabled() or modes.torch_only(dy):
+            # create_graph=True, or batched gradients: the torch expression, recomputed and differentiated
+            inputs = gated_grads.recompute_inputs(ctx, saved)
             wanted = [t for t, n in zip(inputs, needs) if n]
             with torch.enable_grad():
-                grads = iter(torch.autograd.grad(_expression(*inputs, activation), wanted, dy, create_graph=True,
-                                                 allow_unused=True))
+                grads = iter(torch.autograd.grad(_expression(*inputs, activation), wanted, dy,
+                                                 create_graph=torch.is_grad_enabled(), allow_unused=True))
             return (*(next(grads) if n else None for n in needs), None)
-        M, K, N = gu.shape[0], x.shape[-1], w_gate.shape[0]
-        x2, dy2 = x.reshape(M, K), dy.reshape(M, w_down.shape[0])
+        x, w_gate, w_up, w_down, _ = saved
+        M, N = gu.shape[0], gu.shape[1] // 2
+        K = ctx.x_shape[-1]
+        dy2 = dy.reshape(M, dy.shape[-1])
         if ctx.consumed:  # a second backward: the first wrote the gradients over the saved projections
-            gu = torch.mm(x2, gated_cublas.packed(w_gate, w_up).t())
+            x, w_gate, w_up, w_down, _ = gated_grads.recompute_inputs(ctx, saved)
+            gu = _gate_up(x.reshape(M, K), w_gate, w_up)
+        elif not gu.is_contiguous():  # (given back by a hook in another layout)
+            gu = gu.contiguous()
         dx = dwg = dwu = dwd = dbd = None
         if needs[4]:
             dbd = dy2.sum(0)
         if needs[0] or needs[1] or needs[2]:
             dh = dy2 @ w_down
-            g, u = gu[:, :N], gu[:, N:]
-            gated_cublas.grads_into(dh, g, u, activation)  # [dG | dU] over [G | U], the product over dh
-            ctx.consumed = True
+            dgu = gu if ctx.in_place else torch.empty_like(gu)
+            gated_cublas.grads_into(dh, gu[:, :N], gu[:, N:], activation, dgu[:, :N], dgu[:, N:])
+            if dgu is gu:  # [dG | dU] over [G | U]; the product over dh
+                ctx.consumed = True
             if needs[3]:
                 dwd = dy2.t() @ dh
-            del dh
+            del dh, gu
+            dg, du = dgu[:, :N], dgu[:, N:]
             if needs[0]:  # (as one GEMM on [Wg; Wu] its K is 2N: slower than these two)
-                dx = (g @ w_gate).addmm_(u, w_up).view(x.shape)
+                dx = (dg @ w_gate).addmm_(du, w_up).view(ctx.x_shape)
             if needs[1] or needs[2]:
-                dw = gu.t() @ x2  # both weights' gradients, the halves of one GEMM
+                dw = dgu.t() @ x.reshape(M, K)  # both weights' gradients, the halves of one GEMM
                 dwg, dwu = (dw[:N] if needs[1] else None), (dw[N:] if needs[2] else None)
         elif needs[3]:
             dwd = dy2.t() @ _product(gu, N, activation)
