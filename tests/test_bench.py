@@ -431,3 +431,18 @@ def test_model_report_without_per_call_rows_prints_no_per_call_section(capsys):
                                                     "tritonmm": "tritonmm.linear", "tritonmm_us": 1.5, "over_us": 0.5,
                                                     "ratio": 2 / 3}]})
     assert "per call" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_compiled_static_cache_decode_phase_on_the_cpu():
+    """The compiled static-cache decode phase (tiny model, CPU): the cache rewound before each sample (else its
+    write position runs past the cache's end: 64 + 3 slots here), a row with fuse's and the A/A control's ratios."""
+    import torch
+
+    from tritonmm.bench import model
+
+    rows = model.static_decode_phase("tiny", torch.device("cpu"), 2, batches=(2,), new_tokens=3)
+    assert [r["phase"] for r in rows] == ["compiled static-cache decode 2 seq x 3 tokens"]
+    for r in rows:
+        assert r["off_ms"] > 0 and r["fuse_ratio"] > 0 and r["control_ratio"] > 0
+        assert len(r["rounds_ms"]["fuse"]) == len(r["rounds_ms"]["off"]) >= 2

@@ -261,21 +261,21 @@ def compile_phase(name: str, device, rounds: int) -> list[dict]:
     return [_row("torch.compile prefill 4 x 1024", name, ms)]
 
 
-def static_decode_phase(name: str, device, rounds: int) -> list[dict]:
+def static_decode_phase(name: str, device, rounds: int, batches=(1, 16), new_tokens: int = 32) -> list[dict]:
     """Decode with transformers' ``StaticCache``, the model compiled with ``mode="reduce-overhead"`` (CUDA graphs),
     ``fullgraph=True``: the serving setup. One compiled copy per mode (off, fuse and the control), all reading the
     same parameters but fuse's packed gate and up weights. The 64-token prompt is filled once (eager); each sample
-    decodes the same 32 positions again, one token per sequence per call (the cache's slots rewritten)."""
+    decodes the same ``new_tokens`` positions again, one token per sequence per call (the cache's slots rewritten)."""
     import tritonmm
     from transformers import StaticCache
 
     model = build_model(name, device, torch.bfloat16)
-    vocab, prompt_len, new_tokens = model.config.vocab_size, 64, 32
+    vocab, prompt_len = model.config.vocab_size, 64
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     by_position = "cache_position" in inspect.signature(type(model.model).forward).parameters  # (older transformers)
     rows = []
-    for batch in (1, 16):
+    for batch in batches:
         prompt, step = _tokens(vocab, batch, prompt_len, device), _tokens(vocab, batch, new_tokens, device)
         positions = [torch.tensor([prompt_len + t], device=device) for t in range(new_tokens)]
         runs = {}
