@@ -140,7 +140,8 @@ def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> 
         for M in tokens or TOKENS:
             progress(f"mlp {name}: M = {M}")
             x = torch.randn(M, hidden, device=device, dtype=dtype)
-            runs = {"eager": (none, lambda: mlp(x)), "again": (none, lambda: again(x)), "fused": (none, lambda: fused(x)),
+            runs = {"eager": (none, lambda: mlp(x)), "again": (none, lambda: again(x)),
+                    "fused": (none, lambda: fused(x)),
                     "unpacked": (none, lambda: unpacked(x)), "bound": (none, lambda: bound(x)),
                     "kernel": (none, lambda: kernel(x))}
             if compiled is not None:
@@ -176,13 +177,15 @@ def run(device, rounds: int = 15, configs=None, tokens=None, progress=print) -> 
 
 
 def print_report(rows: list[dict]) -> None:
-    print(f"{'config':10} {'M':>6} {'eager ms':>9} {'A/A':>12} {'fused':>7} {'unpack':>7} {'kernel':>7} {'bound':>7} {'compile':>8} "
+    print(f"{'config':10} {'M':>6} {'eager ms':>9} {'A/A':>12} {'fused':>7} {'unpack':>7} {'kernel':>7} {'bound':>7} "
+          f"{'compile':>8} "
           f"{'f/comp':>7} {'train':>7} {'t-unp':>7} {'mem':>6} {'saved':>6}   (eager time / contender time; mem, saved: "
           "fused peak memory, activations kept for the backward / eager's)")
     for r in rows:
         get = lambda k: f"{r[k]:.3f}" if k in r else "-"  # noqa: E731
         aa = f"{r['again_low']:.3f}-{r['again_high']:.3f}" if "again_low" in r else "-"
-        print(f"{r['config']:10} {r['tokens']:>6} {r['eager_ms']:>9.3f} {aa:>12} {get('fused_ratio'):>7} {get('unpacked_ratio'):>7} "
+        print(f"{r['config']:10} {r['tokens']:>6} {r['eager_ms']:>9.3f} {aa:>12} {get('fused_ratio'):>7} "
+              f"{get('unpacked_ratio'):>7} "
               f"{get('kernel_ratio'):>7} {get('bound_ratio'):>7} {get('compile_ratio'):>8} "
               f"{get('fused_vs_compile_ratio'):>7} {get('train_fused_ratio'):>7} {get('train_unpacked_ratio'):>7} "
               f"{get('train_fused_peak_vs_train_eager'):>6} {get('train_fused_saved_vs_train_eager'):>6}")

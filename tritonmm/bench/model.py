@@ -357,7 +357,8 @@ def _line(r: dict) -> str:
             f"{r.get('fuse_ratio', nan):>6.3f} {r.get('control_ratio', nan):>6.3f}")
 
 
-_HEADER = f"{'config':14} {'phase':48} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6} {'A/A':>6}  (off time / on time)"
+_HEADER = (f"{'config':14} {'phase':48} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6} {'A/A':>6}  "
+           "(off time / on time)")
 
 
 def print_report(result: dict) -> None:

@@ -130,8 +130,9 @@ def gated_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, b_down: O
               activation: str) -> Optional[Tensor]:
     """``F.linear(act(F.linear(x, w_gate)) * F.linear(x, w_up), w_down, b_down)`` through :class:`_GatedMLPFunction`
     where it serves the call: autograd needed, plain eager mode, plain tensors of one dtype the Triton passes take
-    (under ``torch.autocast``, once cast as F.linear casts them), packed gate and up weights, more than ``GATED_MAX_M`` rows and at least
-    ``PRODUCT_MIN_FLOPS`` per projection. Else None (nothing run): the caller serves the call."""
+    (under ``torch.autocast``, once cast as F.linear casts them), packed gate and up weights, more than
+    ``GATED_MAX_M`` rows and at least ``PRODUCT_MIN_FLOPS`` per projection. Else None (nothing run): the caller
+    serves the call."""
     if not (x.requires_grad or w_gate.requires_grad or w_up.requires_grad or w_down.requires_grad
             or b_down is not None and b_down.requires_grad):
         return None
