@@ -15,6 +15,9 @@
 #   suite   python -m tritonmm.bench on SUITE_TAGS (default: every shape) -> $OUT/h200.json, $OUT/h200.png
 #   qkv     python3 benchmarks/diagnostics/h200_qkv.py -> $OUT/h200_qkv.json
 #   host    benchmarks/diagnostics/h200_host.py: per-call host cost and a profile (printed)
+#   gpu_par every gpu-marked test in three groups run side by side on the one GPU -> $OUT/gpu_par_*.log (about 6.5
+#           minutes on an H100)
+#   prefill_ab  benchmarks/diagnostics/prefill_packed_ab.py -> $OUT/prefill_packed_ab.json
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -25,6 +28,12 @@ for step in "$@"; do
     info) nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv
           python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" ;;
     host) T 90 python3 benchmarks/diagnostics/h200_host.py ;;
+    gpu_par) for g in "tests/test_gpu.py" "tests/test_gpu_reliability.py tests/test_fuzz.py" \
+                "tests/test_gated_gpu.py tests/test_qkv_gpu.py tests/test_bench.py tests/test_capture.py tests/test_copy.py tests/test_first_sight.py tests/test_padded.py"; do
+               n=$(basename "${g%% *}" .py)
+               T "${TESTS_TIMEOUT:-520}" python3 -m pytest -m gpu -q -p no:cacheprovider $g > "$OUT/gpu_par_$n.log" 2>&1 &
+             done; wait; tail -n 3 "$OUT"/gpu_par_*.log ;;
+    prefill_ab) T "${AB_TIMEOUT:-400}" python3 benchmarks/diagnostics/prefill_packed_ab.py ${AB_ARGS:-} 2>&1 | tail -10 ;;
     tests) T "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \
              ${TESTS:-tests/test_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     gpu_all) T "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q --maxfail=10 --durations=20 -p no:cacheprovider \

@@ -1,0 +1,61 @@
+"""Diagnostic: a fused Llama model's eager prefill with the gated GEMM on packed weights from 2^35, from 2^36 (the
+shipped gated_cublas.PACKED_KERNEL_MIN_FLOPS) and never, against tritonmm off and its A/A control, alternated as
+`bench --model` alternates its modes. The question it answers: whether the packed kernel made the 8B-sized 1 x 512
+prefill slower (0.891x on an H100, benchmarks/h100_model.json) while the MLP alone ran faster with it.
+
+    PYTHONPATH=$PWD python3 benchmarks/diagnostics/prefill_packed_ab.py [CONFIG] [ROUNDS]
+(writes $OUT/prefill_packed_ab.json)
+"""
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+
+import tritonmm
+from tritonmm.bench import model as bench_model
+from tritonmm.bench.timing import machine_facts
+from tritonmm.dispatch import gated_cublas
+from tritonmm.ops import gated as gated_op
+
+config = sys.argv[1] if len(sys.argv) > 1 else "llama3-8b-2l"
+rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+model = bench_model.build_model(config, device, dtype)
+tritonmm.fuse(model)  # packed once; "off" runs the unfused forward on the same packed weights
+shipped = gated_cublas.PACKED_KERNEL_MIN_FLOPS
+
+
+@contextlib.contextmanager
+def packed_from(flops, fused=True):
+    gated_cublas.PACKED_KERNEL_MIN_FLOPS = flops
+    gated_op.clear_cache()  # (bound replays keep the packed kernel's decision)
+    if not fused:
+        tritonmm.unfuse(model, unpack=False)
+    try:
+        yield
+    finally:
+        if not fused:
+            tritonmm.fuse(model)
+        gated_cublas.PACKED_KERNEL_MIN_FLOPS = shipped
+        gated_op.clear_cache()
+
+
+modes = {"off": lambda: packed_from(shipped, fused=False), "fuse": lambda: packed_from(shipped),
+         "fuse_packed_2_35": lambda: packed_from(2**35), "fuse_no_packed": lambda: packed_from(None)}
+rows = []
+for batch, seq in ((1, 512), (2, 512), (4, 1024)):
+    ids = bench_model._tokens(model.config.vocab_size, batch, seq, device)
+    with torch.no_grad():
+        ms = bench_model.alternate({m: (ctx, lambda: model(ids, use_cache=False)) for m, ctx in modes.items()},
+                                   device, 4 * rounds, iters=3)
+    row = bench_model._row(f"eager prefill {batch} x {seq}", config, ms)
+    rows.append(row)
+    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k.endswith("_ratio")})
+out = os.environ.get("OUT", "/tmp/out")
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "prefill_packed_ab.json"), "w") as f:
+    json.dump({"what": __doc__.split("\n\n")[0], "machine": machine_facts(), "rows": rows}, f, indent=1)
