@@ -332,11 +332,10 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print, mea
         small = name == "tiny"
         for phase in (p for p in phases if p != "per_call"):
             progress(f"model {name}: {phase}")
-            fn = {"eager": eager_phases, "train": train_phases}.get(phase)
-            if fn is not None:
-                new = fn(name, device, rounds, small)
-            else:
-                new = (static_decode_phase if phase == "static" else compile_phase)(name, device, rounds)
+            new = {"eager": lambda: eager_phases(name, device, rounds, small),
+                   "train": lambda: train_phases(name, device, rounds, small),
+                   "compile": lambda: compile_phase(name, device, rounds),
+                   "static": lambda: static_decode_phase(name, device, rounds)}[phase]()
             for r in new:
                 progress(_line(r))
             rows += new

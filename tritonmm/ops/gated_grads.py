@@ -45,15 +45,20 @@ def backward(grad_h: Tensor, x_shape, x, w_gate, w_up, g: Tensor, u: Tensor, act
     return dx, dwg, dwu, dbg, dbu
 
 
+def differentiate(expression, inputs: tuple, grad, needs, create_graph: bool = True) -> tuple:
+    """The gradients of ``expression(*inputs)`` against ``grad`` for the inputs ``needs`` marks (None for the others),
+    the expression recomputed with autograd on: torch's own backward, for what the kernels' backward does not serve."""
+    wanted = [t for t, n in zip(inputs, needs) if n]
+    with torch.enable_grad():
+        grads = iter(torch.autograd.grad(expression(*inputs), wanted, grad, create_graph=create_graph,
+                                         allow_unused=True))
+    return tuple(next(grads) if n else None for n in needs)
+
+
 def graph_backward(grad_h, x, w_gate, w_up, b_gate, b_up, activation, needs):
     """The gradients as a differentiable graph (backward with ``create_graph=True``: double backward,
     gradient penalties): the torch expression recomputed and differentiated."""
-    inputs = (x, w_gate, w_up, b_gate, b_up)
-    wanted = [t for t, n in zip(inputs, needs) if n]
-    with torch.enable_grad():
-        grads = iter(torch.autograd.grad(_expression(*inputs, activation), wanted, grad_h, create_graph=True,
-                                         allow_unused=True))
-    return tuple(next(grads) if n else None for n in needs)
+    return differentiate(lambda *t: _expression(*t, activation), (x, w_gate, w_up, b_gate, b_up), grad_h, needs)
 
 
 def save(ctx, x, w_gate, w_up, b_gate, b_up, g, u) -> None:

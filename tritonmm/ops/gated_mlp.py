@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core import activations, modes
+from ..core import modes
 from ..dispatch import gated_cublas
 from ..dispatch.gated import GATED_MAX_M, below_product_flops
 from . import eager, gated_grads
@@ -36,7 +36,7 @@ _any_autocast = torch._C._is_any_autocast_enabled
 
 
 def _expression(x, w_gate, w_up, w_down, b_down, activation):
-    return F.linear(activations.apply(F.linear(x, w_gate), activation) * F.linear(x, w_up), w_down, b_down)
+    return F.linear(gated_grads._expression(x, w_gate, w_up, None, None, activation), w_down, b_down)
 
 
 def _product(gu: Tensor, N: int, activation: str) -> Tensor:
@@ -88,12 +88,9 @@ class _GatedMLPFunction(torch.autograd.Function):
         activation = ctx.activation
         if torch.is_grad_enabled() or modes.torch_only(dy):
             # create_graph=True, or batched gradients: the torch expression, recomputed and differentiated
-            inputs = gated_grads.recompute_inputs(ctx, saved)
-            wanted = [t for t, n in zip(inputs, needs) if n]
-            with torch.enable_grad():
-                grads = iter(torch.autograd.grad(_expression(*inputs, activation), wanted, dy,
-                                                 create_graph=torch.is_grad_enabled(), allow_unused=True))
-            return (*(next(grads) if n else None for n in needs), None)
+            return (*gated_grads.differentiate(lambda *t: _expression(*t, activation),
+                                               gated_grads.recompute_inputs(ctx, saved), dy, needs,
+                                               create_graph=torch.is_grad_enabled()), None)
         x, w_gate, w_up, w_down, _ = saved
         M, N = gu.shape[0], gu.shape[1] // 2
         K = ctx.x_shape[-1]
