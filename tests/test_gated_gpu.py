@@ -376,7 +376,7 @@ def test_fused_mlp_inference_takes_the_packed_kernel(M):
 
 
 def test_fused_mlp_training_keeps_only_the_projections(monkeypatch):
-    """A fused TinyLlama-sized MLP's training call runs as one autograd Function (:mod:`tritonmm.ops.gated_mlp`):
+    """A fused TinyLlama-sized MLP's training call runs as the fused MLP's autograd nodes (:mod:`tritonmm.ops.gated_mlp`):
     values and all gradients within twice eager's error against float64, a second backward through the retained
     graph gives the same gradients, and its forward + backward peak memory is at most 0.7x eager's."""
     transformers = pytest.importorskip("transformers")
@@ -412,7 +412,7 @@ def test_fused_mlp_training_keeps_only_the_projections(monkeypatch):
         torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated() - before
         module.zero_grad(set_to_none=True)
-    assert calls, "the fused MLP's training Function did not run"
+    assert calls, "the fused MLP's training nodes did not run"
     assert peaks["fused"] <= 0.7 * peaks["eager"], peaks
 
     out, got = step(fused, x, retain=True)

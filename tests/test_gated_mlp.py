@@ -1,4 +1,4 @@
-"""The fused MLP's training Function (:mod:`tritonmm.ops.gated_mlp`) under the interpreter: values and gradients
+"""The fused MLP's training nodes (:mod:`tritonmm.ops.gated_mlp`) under the interpreter: values and gradients
 against float64, odd sizes, autocast, a second backward, double backward, and the calls it leaves to other paths."""
 
 import copy
@@ -98,14 +98,20 @@ def test_a_second_backward_through_the_retained_graph(counted):
         torch.testing.assert_close(a, b)
 
 
-def test_double_backward_differentiates_the_expression(counted):
+@pytest.mark.parametrize("after_a_first", [False, True], ids=["first", "after a first backward"])
+def test_double_backward_differentiates_the_expression(after_a_first, counted):
+    """A gradient penalty; also after a first backward (retain_graph=True) wrote over the saved projections."""
     torch.manual_seed(3)
     mlp = MLP()
     fused = tritonmm.fuse(copy.deepcopy(mlp))
     penalties, x0 = [], randn(20, 40)
     for module in (fused, mlp):
         x = x0.clone().requires_grad_()
-        (dx,) = torch.autograd.grad(module(x).square().sum(), x, create_graph=True)
+        y = module(x).square().sum()
+        if after_a_first:
+            y.backward(retain_graph=True)
+            module.zero_grad(set_to_none=True)
+        (dx,) = torch.autograd.grad(y, x, create_graph=True)
         dx.square().sum().backward()
         penalties.append([p.grad for p in module.parameters()])
     assert counted
@@ -142,8 +148,8 @@ def test_autocast_casts_as_f_linear_does(counted):
 def test_calls_it_leaves_to_other_paths(monkeypatch):
     """No gradient, below PRODUCT_MIN_FLOPS, up to GATED_MAX_M rows, unpacked weights: not the Function."""
     calls = []
-    real = gated_mlp._GatedMLPFunction.apply
-    monkeypatch.setattr(gated_mlp._GatedMLPFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    real = gated_mlp._Down.apply
+    monkeypatch.setattr(gated_mlp._Down, "apply", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(5)
     mlp = MLP()
     packed, unpacked = tritonmm.fuse(copy.deepcopy(mlp)), tritonmm.fuse(copy.deepcopy(mlp), pack=False)
@@ -298,3 +304,15 @@ def test_batched_gradients(counted):
     assert grads[0][0].shape == (3, 30, 40) and grads[0][1].shape == (40, 20, 40)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_down_weights_gradient_is_accumulated_before_the_gate_and_up_weights_are_computed(counted):
+    """Two autograd nodes: dWd reaches ``.grad`` (its hooks run) before the gate and up weights' gradients exist, as
+    in eager, so the backward never holds all three weights' gradients at once."""
+    fused = tritonmm.fuse(MLP())
+    seen = []
+    fused.down_proj.weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append((fused.gate_proj.weight.grad, fused.up_proj.weight.grad)))
+    fused(randn(30, 40).requires_grad_()).sum().backward()
+    assert counted and seen == [(None, None)]
+    assert fused.gate_proj.weight.grad is not None and fused.up_proj.weight.grad is not None

@@ -78,7 +78,12 @@ def save(ctx, x, w_gate, w_up, b_gate, b_up, g, u) -> None:
 
 def recompute_inputs(ctx, saved) -> tuple:
     """The five inputs for :func:`graph_backward`: the saved ones, and the others unless modified in place."""
-    others = getattr(ctx, "others", (None,) * 5)  # (the op saves every input)
+    return unmodified(getattr(ctx, "others", (None,) * 5), saved)  # (the op saves every input)
+
+
+def unmodified(others, saved) -> tuple:
+    """``saved``, with each None replaced by the tensor ``others`` keeps in its place, ``(tensor, version)`` (version
+    None for inference tensors): RuntimeError where one was modified in place since."""
     out = []
     for t, other in zip(saved, others):
         if other is not None:

@@ -1,16 +1,18 @@
-"""The fused gated MLP's training call: ``F.linear(act(x @ Wg^T) * (x @ Wu^T), Wd, bd)`` as one autograd Function
-on packed gate and up weights (``[Wg; Wu]`` in one allocation, as :func:`tritonmm.fuse` arranges).
+"""The fused gated MLP's training call: ``F.linear(act(x @ Wg^T) * (x @ Wu^T), Wd, bd)`` as two autograd nodes
+on packed gate and up weights (``[Wg; Wu]`` in one allocation, as :func:`tritonmm.fuse` arranges): the gate and
+up projections as one GEMM into one (M, 2N) tensor [G | U] (:class:`_GateUp`), then the product and the down
+projection (:class:`_Down`).
 
-What it keeps for the backward: the two projections as one (M, 2N) tensor, next to x and the parameters that
-torch keeps too. Eager keeps four (M, N) activations (the gate projection, its activation, the up projection and
-the product); the gated linear's autograd (:mod:`tritonmm.ops.gated`) three. In the backward, after the GEMM for
-the product's gradient dH, one elementwise pass writes both projections' gradients over the saved projections and
-the product, recomputed for the down weight's gradient, over dH: the backward holds the saved tensor and one (M, N)
-tensor besides.
+What it keeps for the backward: [G | U], next to x and the parameters that torch keeps too. Eager keeps four (M, N)
+activations (the gate projection, its activation, the up projection and the product); the gated linear's autograd
+(:mod:`tritonmm.ops.gated`) three. In the down node's backward, after the GEMM for the product's gradient dH, one
+elementwise pass writes [dG | dU] over the saved [G | U] and the product, recomputed for dWd, over dH. Two nodes, so
+that autograd accumulates dWd before the gate and up weights' gradients are allocated, as it does in eager: the
+backward holds the saved tensor, then one (M, N) tensor and dWd, or the weights' gradients and dx.
 
 The forward is the gated linear's cuBLAS path (one GEMM on the packed weights, one Triton pass for the activation
 and product) and the down GEMM; the backward's GEMMs run on cuBLAS. A second backward through the same graph
-(``retain_graph=True``) recomputes the projections from x; one with ``create_graph=True`` differentiates the torch
+(``retain_graph=True``) recomputes [G | U] from x; one with ``create_graph=True`` differentiates the torch
 expression, recomputed.
 
 :func:`gated_mlp` serves plain eager calls with autograd (under ``torch.autocast`` too: the packed weights cast as one
@@ -20,23 +22,20 @@ tensor) on tensors the Triton passes take, from
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core import modes
+from ..core import activations, modes
 from ..dispatch import gated_cublas
 from ..dispatch.gated import GATED_MAX_M, below_product_flops
 from . import eager, gated_grads
 from .gated_args import PackedCast
 
 _any_autocast = torch._C._is_any_autocast_enabled
-
-
-def _expression(x, w_gate, w_up, w_down, b_down, activation):
-    return F.linear(gated_grads._expression(x, w_gate, w_up, None, None, activation), w_down, b_down)
 
 
 def _product(gu: Tensor, N: int, activation: str) -> Tensor:
@@ -60,72 +59,98 @@ def _gate_up(x2: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
     return torch.mm(x2, (w if w is not None else torch.cat([w_gate, w_up])).t())
 
 
-class _GatedMLPFunction(torch.autograd.Function):
-    """down(act(gate(x)) * up(x)) in eager mode with autograd. Saves [G | U] and, as torch would, x where a weight
-    of gate or up needs a gradient, those weights where x does, the down weight where any of them does; the other
-    inputs are kept with their versions for a second backward that recomputes [G | U] and for one with
-    ``create_graph=True``."""
+class _GateUp(torch.autograd.Function):
+    """[G | U] = x @ [Wg; Wu]^T as one (M, 2N) tensor. Saves, as torch would, x where a weight needs a gradient and
+    the weights where x does; its backward takes [dG | dU] from :class:`_Down`'s."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, b_down, activation):
-        M, K, N = x.shape[:-1].numel(), x.shape[-1], w_gate.shape[0]
-        gu = _gate_up(x.reshape(M, K), w_gate, w_up)
-        y = F.linear(_product(gu, N, activation), w_down, b_down)
+    def forward(ctx, x, w_gate, w_up):
         needs = ctx.needs_input_grad
-        keep = (needs[1] or needs[2], needs[0], needs[0], needs[0] or needs[1] or needs[2], False)
-        inputs = (x, w_gate, w_up, w_down, b_down)
-        ctx.save_for_backward(*(t if k else None for t, k in zip(inputs, keep)), gu)
-        ctx.others = tuple(None if k or t is None else (t, None if t.is_inference() else t._version)
-                           for t, k in zip(inputs, keep))
-        ctx.activation, ctx.consumed, ctx.x_shape = activation, False, x.shape
+        ctx.save_for_backward(x if needs[1] or needs[2] else None, *((w_gate, w_up) if needs[0] else (None, None)))
+        ctx.x_shape = x.shape
+        return _gate_up(x.reshape(x.shape[:-1].numel(), x.shape[-1]), w_gate, w_up)
+
+    @staticmethod
+    def backward(ctx, dgu):
+        x, w_gate, w_up = ctx.saved_tensors
+        needs, N = ctx.needs_input_grad, dgu.shape[1] // 2
+        dg, du = dgu[:, :N], dgu[:, N:]
+        dx = dwg = dwu = None
+        if needs[0]:  # (as one GEMM on [Wg; Wu] its K is 2N: slower than these two)
+            dx = (dg @ w_gate).addmm_(du, w_up).view(ctx.x_shape)  # in place: addmm would copy its first operand
+        if needs[1] or needs[2]:
+            x2 = x.reshape(dgu.shape[0], ctx.x_shape[-1])
+            if needs[1] and needs[2]:  # both weights' gradients, the halves of one GEMM
+                dw = dgu.t() @ x2
+                dwg, dwu = dw[:N], dw[N:]
+            else:
+                dwg, dwu = (dg.t() @ x2 if needs[1] else None), (du.t() @ x2 if needs[2] else None)
+        return dx, dwg, dwu
+
+
+def _down_expression(gu, w_down, b_down, activation):
+    N = gu.shape[1] // 2
+    return F.linear(activations.apply(gu[:, :N], activation) * gu[:, N:], w_down, b_down)
+
+
+class _Down(torch.autograd.Function):
+    """F.linear(act(G) * U, Wd, bd) from [G | U]. Saves [G | U] and, where [G | U] needs a gradient, Wd; bd and a
+    frozen Wd are kept with their versions for a backward that recomputes (``create_graph=True``, batched
+    gradients), and x, Wg, Wu for a second backward, which recomputes [G | U]: the first writes [dG | dU] over it.
+    Its own node, so that autograd accumulates dWd before :class:`_GateUp`'s backward allocates dWg and dWu."""
+
+    @staticmethod
+    def forward(ctx, gu, w_down, b_down, activation, gate_up_inputs):
+        y = F.linear(_product(gu, gu.shape[1] // 2, activation), w_down, b_down)
+        keep = ctx.needs_input_grad[0]
+        ctx.save_for_backward(gu, w_down if keep else None)
+        ctx.others = (None, None if keep else _kept(w_down), _kept(b_down))
+        ctx.gate_up = tuple(map(_kept, gate_up_inputs)) if keep else None
+        ctx.activation, ctx.consumed = activation, False
         ctx.in_place = not _saved_tensor_hooks()  # (hooks may hold the saved tensor: it must stay as it was)
-        return y.view(*x.shape[:-1], w_down.shape[0])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        *saved, gu = ctx.saved_tensors
-        needs = tuple(ctx.needs_input_grad[:5])
-        activation = ctx.activation
+        gu, w_down = ctx.saved_tensors
+        needs, activation = tuple(ctx.needs_input_grad[:3]), ctx.activation
+        if ctx.consumed:  # a second backward: the first wrote [dG | dU] over the saved projections
+            x, w_gate, w_up = gated_grads.unmodified(ctx.gate_up, (None,) * 3)
+            x2 = x.reshape(gu.shape[0], x.shape[-1])  # (with create_graph=True, differentiable in x, Wg and Wu)
+            gu = x2 @ torch.cat([w_gate, w_up]).t() if torch.is_grad_enabled() else _gate_up(x2, w_gate, w_up)
         if torch.is_grad_enabled() or modes.torch_only(dy):
             # create_graph=True, or batched gradients: the torch expression, recomputed and differentiated
-            return (*gated_grads.differentiate(lambda *t: _expression(*t, activation),
-                                               gated_grads.recompute_inputs(ctx, saved), dy, needs,
-                                               create_graph=torch.is_grad_enabled()), None)
-        x, w_gate, w_up, w_down, _ = saved
-        M, N = gu.shape[0], gu.shape[1] // 2
-        K = ctx.x_shape[-1]
-        dy2 = dy.reshape(M, dy.shape[-1])
-        if ctx.consumed:  # a second backward: the first wrote the gradients over the saved projections
-            x, w_gate, w_up, w_down, _ = gated_grads.recompute_inputs(ctx, saved)
-            gu = _gate_up(x.reshape(M, K), w_gate, w_up)
-        elif not gu.is_contiguous():  # (given back by a hook in another layout)
+            if needs[0] and not gu.requires_grad:  # (recomputed for batched gradients)
+                gu = gu.requires_grad_()
+            return (*gated_grads.differentiate(lambda *t: _down_expression(*t, activation),
+                                               gated_grads.unmodified(ctx.others, (gu, w_down, None)), dy, needs,
+                                               create_graph=torch.is_grad_enabled()), None, None)
+        if not gu.is_contiguous():  # (given back by a hook in another layout)
             gu = gu.contiguous()
-        dx = dwg = dwu = dwd = dbd = None
-        if needs[4]:
-            dbd = dy2.sum(0)
-        if needs[0] or needs[1] or needs[2]:
-            dh = dy2 @ w_down
+        N = gu.shape[1] // 2
+        dgu = dwd = dbd = None
+        if needs[2]:
+            dbd = dy.sum(0)
+        if needs[0]:
+            dh = dy @ w_down
             dgu = gu if ctx.in_place else torch.empty_like(gu)
             gated_cublas.grads_into(dh, gu[:, :N], gu[:, N:], activation, dgu[:, :N], dgu[:, N:])
-            if dgu is gu:  # [dG | dU] over [G | U]; the product over dh
-                ctx.consumed = True
-            if needs[3]:
-                dwd = dy2.t() @ dh
-            del dh, gu
-            dg, du = dgu[:, :N], dgu[:, N:]
-            if needs[0]:  # (as one GEMM on [Wg; Wu] its K is 2N: slower than these two)
-                dx = (dg @ w_gate).addmm_(du, w_up).view(ctx.x_shape)
-            if needs[1] or needs[2]:
-                dw = dgu.t() @ x.reshape(M, K)  # both weights' gradients, the halves of one GEMM
-                dwg, dwu = (dw[:N] if needs[1] else None), (dw[N:] if needs[2] else None)
-        elif needs[3]:
-            dwd = dy2.t() @ _product(gu, N, activation)
-        return dx, dwg, dwu, dwd, dbd, None
+            ctx.consumed = dgu is gu  # [dG | dU] over [G | U]; the product over dh
+            if needs[1]:
+                dwd = dy.t() @ dh
+        elif needs[1]:
+            dwd = dy.t() @ _product(gu, N, activation)
+        return dgu, dwd, dbd, None, None
+
+
+def _kept(t):
+    """``t`` with its version (None for inference tensors, which have none), for :func:`gated_grads.unmodified`."""
+    return None if t is None else (t, None if t.is_inference() else t._version)
 
 
 def gated_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, b_down: Optional[Tensor],
               activation: str) -> Optional[Tensor]:
-    """``F.linear(act(F.linear(x, w_gate)) * F.linear(x, w_up), w_down, b_down)`` through :class:`_GatedMLPFunction`
+    """``F.linear(act(F.linear(x, w_gate)) * F.linear(x, w_up), w_down, b_down)`` through :class:`_GateUp` and :class:`_Down`
     where it serves the call: autograd needed, plain eager mode, plain tensors of one dtype the Triton passes take
     (under ``torch.autocast``, once cast as F.linear casts them), packed gate and up weights, more than
     ``GATED_MAX_M`` rows and at least ``PRODUCT_MIN_FLOPS`` per projection. Else None (nothing run): the caller
@@ -154,7 +179,12 @@ def gated_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, b_down: O
         x, w_down, b_down = eager.cast(x, dtype), eager.cast(w_down, dtype), eager.cast(b_down, dtype)
         if w_gate.dtype != dtype:
             w_gate, w_up = PackedCast.apply(w_gate, w_up, dtype)
-    if autocast is not None:
-        with torch._C._ExcludeDispatchKeyGuard(eager.AUTOCAST_KEYS):  # (cast already)
-            return _GatedMLPFunction.apply(x, w_gate, w_up, w_down, b_down, activation)
-    return _GatedMLPFunction.apply(x, w_gate, w_up, w_down, b_down, activation)
+    with torch._C._ExcludeDispatchKeyGuard(eager.AUTOCAST_KEYS) if autocast is not None \
+            else contextlib.nullcontext():  # (cast already)
+        gate_up = (x, w_gate, w_up)
+        if any(t.requires_grad for t in gate_up):
+            gu = _GateUp.apply(*gate_up)
+        else:
+            gu = _gate_up(x.reshape(-1, x.shape[-1]), w_gate, w_up)
+        y = _Down.apply(gu, w_down, b_down, activation, gate_up)
+    return y.view(*x.shape[:-1], w_down.shape[0])
