@@ -316,3 +316,15 @@ def test_the_down_weights_gradient_is_accumulated_before_the_gate_and_up_weights
     fused(randn(30, 40).requires_grad_()).sum().backward()
     assert counted and seen == [(None, None)]
     assert fused.gate_proj.weight.grad is not None and fused.up_proj.weight.grad is not None
+
+
+def test_the_gate_weights_gradient_is_accumulated_before_the_up_weights_is_computed(counted, monkeypatch):
+    """Wg's gradient reaches ``.grad`` before the node that computes Wu's gradient and dx runs, as for two
+    ``nn.Linear`` layers, so the backward holds one of the two weights' gradients at a time."""
+    fused = tritonmm.fuse(MLP())
+    seen, real = [], gated_mlp._GateUp.backward
+    monkeypatch.setattr(gated_mlp._GateUp, "backward", staticmethod(
+        lambda ctx, dgu: seen.append(fused.gate_proj.weight.grad is not None) or real(ctx, dgu)))
+    fused(randn(30, 40).requires_grad_()).sum().backward()
+    assert counted and seen == [True]
+    assert fused.up_proj.weight.grad is not None

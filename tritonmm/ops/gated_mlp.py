@@ -1,14 +1,15 @@
-"""The fused gated MLP's training call: ``F.linear(act(x @ Wg^T) * (x @ Wu^T), Wd, bd)`` as two autograd nodes
-on packed gate and up weights (``[Wg; Wu]`` in one allocation, as :func:`tritonmm.fuse` arranges): the gate and
-up projections as one GEMM into one (M, 2N) tensor [G | U] (:class:`_GateUp`), then the product and the down
-projection (:class:`_Down`).
+"""The fused gated MLP's training call: ``F.linear(act(x @ Wg^T) * (x @ Wu^T), Wd, bd)`` as autograd nodes on
+packed gate and up weights (``[Wg; Wu]`` in one allocation, as :func:`tritonmm.fuse` arranges): the gate and up
+projections as one GEMM into one (M, 2N) tensor [G | U] (:class:`_GateUp`, with :class:`_GateWeightGrad` for Wg's
+gradient), then the product and the down projection (:class:`_Down`).
 
 What it keeps for the backward: [G | U], next to x and the parameters that torch keeps too. Eager keeps four (M, N)
 activations (the gate projection, its activation, the up projection and the product); the gated linear's autograd
 (:mod:`tritonmm.ops.gated`) three. In the down node's backward, after the GEMM for the product's gradient dH, one
-elementwise pass writes [dG | dU] over the saved [G | U] and the product, recomputed for dWd, over dH. Two nodes, so
-that autograd accumulates dWd before the gate and up weights' gradients are allocated, as it does in eager: the
-backward holds the saved tensor, then one (M, N) tensor and dWd, or the weights' gradients and dx.
+elementwise pass writes [dG | dU] over the saved [G | U] and the product, recomputed for dWd, over dH. The weights'
+gradients come from three nodes, so that autograd accumulates each before the next is allocated, as it does for
+eager's three ``nn.Linear`` layers: the backward holds the saved tensor and at most one (M, N) tensor and one
+weight's gradient, or one weight's gradient and dx.
 
 The forward is the gated linear's cuBLAS path (one GEMM on the packed weights, one Triton pass for the activation
 and product) and the down GEMM; the backward's GEMMs run on cuBLAS. A second backward through the same graph
@@ -60,32 +61,47 @@ def _gate_up(x2: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
 
 
 class _GateUp(torch.autograd.Function):
-    """[G | U] = x @ [Wg; Wu]^T as one (M, 2N) tensor. Saves, as torch would, x where a weight needs a gradient and
-    the weights where x does; its backward takes [dG | dU] from :class:`_Down`'s."""
+    """[G | U] = x @ [Wg; Wu]^T as one (M, 2N) tensor. Saves, as torch would, x where Wu needs a gradient and the
+    weights where x does; its backward takes [dG | dU] from :class:`_Down`'s (through :class:`_GateWeightGrad`,
+    which gives Wg's gradient). Wg comes in detached where it needs a gradient (``gate``: itself, in a tuple: not an input), so that its
+    gradient is accumulated before this node runs; a backward with ``create_graph=True`` differentiates dx in ``gate``."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up):
+    def forward(ctx, x, w_gate, w_up, gate):
         needs = ctx.needs_input_grad
-        ctx.save_for_backward(x if needs[1] or needs[2] else None, *((w_gate, w_up) if needs[0] else (None, None)))
-        ctx.x_shape = x.shape
+        ctx.save_for_backward(x if needs[2] else None, *((w_gate, w_up) if needs[0] else (None, None)))
+        ctx.x_shape, (ctx.gate,) = x.shape, gate
         return _gate_up(x.reshape(x.shape[:-1].numel(), x.shape[-1]), w_gate, w_up)
 
     @staticmethod
     def backward(ctx, dgu):
-        x, w_gate, w_up = ctx.saved_tensors
+        x, w_gate, w_up = ctx.saved_tensors  # (unpacking checks Wg's version: its detached copy shares it)
         needs, N = ctx.needs_input_grad, dgu.shape[1] // 2
         dg, du = dgu[:, :N], dgu[:, N:]
-        dx = dwg = dwu = None
+        dwu = du.t() @ x.reshape(dgu.shape[0], ctx.x_shape[-1]) if needs[2] else None
+        dx = None
         if needs[0]:  # (as one GEMM on [Wg; Wu] its K is 2N: slower than these two)
+            if torch.is_grad_enabled():
+                w_gate = ctx.gate
             dx = (dg @ w_gate).addmm_(du, w_up).view(ctx.x_shape)  # in place: addmm would copy its first operand
-        if needs[1] or needs[2]:
-            x2 = x.reshape(dgu.shape[0], ctx.x_shape[-1])
-            if needs[1] and needs[2]:  # both weights' gradients, the halves of one GEMM
-                dw = dgu.t() @ x2
-                dwg, dwu = dw[:N], dw[N:]
-            else:
-                dwg, dwu = (dg.t() @ x2 if needs[1] else None), (du.t() @ x2 if needs[2] else None)
-        return dx, dwg, dwu
+        return dx, None, dwu, None
+
+
+class _GateWeightGrad(torch.autograd.Function):
+    """[G | U] as it is, in a node of its own whose backward gives Wg's gradient: autograd accumulates it before
+    :class:`_GateUp`'s backward allocates Wu's, as it does for two ``nn.Linear`` layers (one weight's gradient at a
+    time rather than both)."""
+
+    @staticmethod
+    def forward(ctx, gu, x, w_gate):
+        ctx.save_for_backward(x)
+        return gu.view_as(gu)
+
+    @staticmethod
+    def backward(ctx, dgu):
+        x, = ctx.saved_tensors
+        dg = dgu[:, :dgu.shape[1] // 2]
+        return dgu, None, dg.t() @ x.reshape(dgu.shape[0], x.shape[-1])
 
 
 def _down_expression(gu, w_down, b_down, activation):
@@ -97,7 +113,7 @@ class _Down(torch.autograd.Function):
     """F.linear(act(G) * U, Wd, bd) from [G | U]. Saves [G | U] and, where [G | U] needs a gradient, Wd; bd and a
     frozen Wd are kept with their versions for a backward that recomputes (``create_graph=True``, batched
     gradients), and x, Wg, Wu for a second backward, which recomputes [G | U]: the first writes [dG | dU] over it.
-    Its own node, so that autograd accumulates dWd before :class:`_GateUp`'s backward allocates dWg and dWu."""
+    Its own node, so that autograd accumulates dWd before the gate and up weights' gradients are allocated."""
 
     @staticmethod
     def forward(ctx, gu, w_down, b_down, activation, gate_up_inputs):
@@ -183,7 +199,10 @@ def gated_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, b_down: O
             else contextlib.nullcontext():  # (cast already)
         gate_up = (x, w_gate, w_up)
         if any(t.requires_grad for t in gate_up):
-            gu = _GateUp.apply(*gate_up)
+            if w_gate.requires_grad:
+                gu = _GateWeightGrad.apply(_GateUp.apply(x, w_gate.detach(), w_up, (w_gate,)), x, w_gate)
+            else:
+                gu = _GateUp.apply(x, w_gate, w_up, (w_gate,))
         else:
             gu = _gate_up(x.reshape(-1, x.shape[-1]), w_gate, w_up)
         y = _Down.apply(gu, w_down, b_down, activation, gate_up)
