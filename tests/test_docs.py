@@ -49,6 +49,11 @@ def test_readme_table_marks_rows_against_their_spread():
                                "control_interval": [0.999, 1.001]}, "fuse") == "same"  # apart, but under 1%
     assert readme._phase_mark({**phase, "fuse_interval": [0.98, 1.06]}, "fuse") == "same"
     assert readme._phase_mark({**phase, "fuse_ratio": 0.95, "fuse_interval": [0.94, 0.96]}, "fuse") == "slower"
+    row = {"fused_ratio": 0.96, "again_low": 0.9, "again_high": 1.1, "train_fused_ratio": 1.03}
+    assert readme._mlp_mark(row, "fused_ratio") == "same"  # inside its A/A control's spread
+    assert readme._mlp_mark({**row, "fused_ratio": 1.12}, "fused_ratio") == "faster"
+    assert readme._mlp_mark(row, "train_fused_ratio") == "faster"  # no A/A control: SAME alone
+    assert readme._mlp_mark({**row, "train_fused_ratio": 1.01, "train_again_low": 0.9}, "train_fused_ratio") == "same"
     assert readme._verdicts(["same", "faster", "same"]) == "2 of 3 same, 1 faster"
     assert readme._verdicts(["faster", "faster"]) == "faster"
 

@@ -97,8 +97,17 @@ def _mlp_rows(data: dict) -> list[str]:
         tokens = sorted({r["tokens"] for r in picked})
         span = f"{tokens[0]}-{tokens[-1]}" if len(tokens) > 1 else f"{tokens[0]}"
         ratios = [r[key] for r in picked]
-        out.append(_row(f"`fuse`, one Llama MLP's {what}, {span} tokens", ratios))
+        marks = [_mlp_mark(r, key) for r in picked]
+        out.append(_row(f"`fuse`, one Llama MLP's {what}, {span} tokens", ratios, _verdicts(marks)))
     return out
+
+
+def _mlp_mark(r: dict, key: str) -> str:
+    """An MLP row's mark: by :data:`SAME` widened to the row's A/A control (a copy of the eager module timed as one
+    more contender, 10th to 90th percentile of its per-round ratio) where the run has one."""
+    again = key.replace("fused_ratio", "again")
+    lo, hi = min(SAME[0], r.get(f"{again}_low", 1.0)), max(SAME[1], r.get(f"{again}_high", 1.0))
+    return "faster" if r[key] > hi else "slower" if r[key] < lo else "same"
 
 
 def _phase_mark(p: dict, mode: str) -> str:
@@ -153,8 +162,8 @@ def table(bench_dir: pathlib.Path) -> str:
     gone = sum(r["backend"].startswith("triton") and not _triton_now(r) for r in suite["rows"])
     lines = [f"Measured on {_versions(suite, mlp, model)}, bf16 unless noted (`benchmarks/{SUITE}` adds float16 "
              f"and float32; `{MLP}`, `{MODEL}`). Speed-up: torch time / tritonmm time, the median and range "
-             f"over that file's rows; times within {SAME[0]:.2f}-{SAME[1]:.2f}x count as the same, model phases "
-             "against their A/A control (tritonmm off timed against itself)."
+             f"over that file's rows; times within {SAME[0]:.2f}-{SAME[1]:.2f}x count as the same, MLP rows "
+             "and model phases within their A/A control too (torch timed against itself)."
              + (f" Left out: {gone} suite rows a Triton kernel served when measured, which go to cuBLAS now."
                 if gone else ""),
              "",
