@@ -1,7 +1,9 @@
 """Diagnostic: a fused Llama model's eager prefill with the gated GEMM on packed weights from 2^35, from 2^36 (the
 shipped gated_cublas.PACKED_KERNEL_MIN_FLOPS) and never, against tritonmm off and its A/A control, alternated as
 `bench --model` alternates its modes. The question it answers: whether the packed kernel made the 8B-sized 1 x 512
-prefill slower (0.891x on an H100, benchmarks/h100_model.json) while the MLP alone ran faster with it.
+prefill slower (0.891x on an H100, benchmarks/h100_model.json) while the MLP alone ran faster with it. Then, per
+mode, each MLP call's host time (its Python call, unsynchronized) and GPU time (CUDA events around it) inside the
+prefill: whether the slower prefill is host or GPU time.
 
     PYTHONPATH=$PWD python3 benchmarks/diagnostics/prefill_packed_ab.py [CONFIG] [ROUNDS]
 (writes $OUT/prefill_packed_ab.json)
@@ -10,7 +12,9 @@ prefill slower (0.891x on an H100, benchmarks/h100_model.json) while the MLP alo
 import contextlib
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -55,7 +59,53 @@ for batch, seq in ((1, 512), (2, 512), (4, 1024)):
     row = bench_model._row(f"eager prefill {batch} x {seq}", config, ms)
     rows.append(row)
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k.endswith("_ratio")})
+
+
+def per_mlp_call(ids, calls=20):
+    """Median host µs and GPU µs of one MLP call inside ``calls`` prefills (the first prefill untimed)."""
+    host, events = [], []
+    mlps = [layer.mlp for layer in model.model.layers]
+
+    cuda = device.type == "cuda"
+
+    def pre(module, args):
+        start = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            start.record()
+        module._probe = (time.perf_counter(), start)
+
+    def post(module, args, out):
+        t0, start = module._probe
+        host.append((time.perf_counter() - t0) * 1e6)
+        if cuda:
+            (end := torch.cuda.Event(enable_timing=True)).record()
+            events.append((start, end))
+
+    handles = [h for m in mlps for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+            host.clear(), events.clear()
+            for _ in range(calls):
+                model(ids, use_cache=False)
+        if cuda:
+            torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    gpu = [s.elapsed_time(e) * 1e3 for s, e in events]
+    return {"host_us": statistics.median(host), "gpu_us": statistics.median(gpu) if gpu else None}
+
+
+per_call = []
+for batch, seq in ((1, 512), (2, 512)):
+    ids = bench_model._tokens(model.config.vocab_size, batch, seq, device)
+    for m, ctx in modes.items():
+        with ctx():
+            per_call.append({"prefill": f"{batch} x {seq}", "mode": m, **per_mlp_call(ids)})
+        print(per_call[-1])
 out = os.environ.get("OUT", "/tmp/out")
 os.makedirs(out, exist_ok=True)
 with open(os.path.join(out, "prefill_packed_ab.json"), "w") as f:
-    json.dump({"what": __doc__.split("\n\n")[0], "machine": machine_facts(), "rows": rows}, f, indent=1)
+    json.dump({"what": __doc__.split("\n\n")[0], "machine": machine_facts(), "rows": rows, "per_mlp_call": per_call},
+              f, indent=1)
