@@ -5,7 +5,7 @@ prefill slower (0.891x on an H100, benchmarks/h100_model.json) while the MLP alo
 mode, each MLP call's host time (its Python call, unsynchronized) and GPU time (CUDA events around it) inside the
 prefill: whether the slower prefill is host or GPU time.
 
-    PYTHONPATH=$PWD python3 benchmarks/diagnostics/prefill_packed_ab.py [CONFIG] [ROUNDS]
+    PYTHONPATH=$PWD python3 benchmarks/diagnostics/prefill_packed_ab.py [CONFIG] [ROUNDS]   (ROUNDS 0: per-call times only)
 (writes $OUT/prefill_packed_ab.json)
 """
 
@@ -51,7 +51,7 @@ def packed_from(flops, fused=True):
 modes = {"off": lambda: packed_from(shipped, fused=False), "fuse": lambda: packed_from(shipped),
          "fuse_packed_2_35": lambda: packed_from(2**35), "fuse_no_packed": lambda: packed_from(None)}
 rows = []
-for batch, seq in ((1, 512), (2, 512), (4, 1024)):
+for batch, seq in ((1, 512), (2, 512), (4, 1024)) if rounds else ():  # (ROUNDS 0: the per-call times only)
     ids = bench_model._tokens(model.config.vocab_size, batch, seq, device)
     with torch.no_grad():
         ms = bench_model.alternate({m: (ctx, lambda: model(ids, use_cache=False)) for m, ctx in modes.items()},
