@@ -5,7 +5,7 @@ prefill slower (0.891x on an H100, benchmarks/h100_model.json) while the MLP alo
 mode, each MLP call's host time (its Python call, unsynchronized) and GPU time (CUDA events around it) inside the
 prefill: whether the slower prefill is host or GPU time.
 
-    PYTHONPATH=$PWD python3 benchmarks/diagnostics/prefill_packed_ab.py [CONFIG] [ROUNDS]   (ROUNDS 0: per-call times only)
+    PYTHONPATH=$PWD python3 benchmarks/diagnostics/prefill_packed_ab.py [CONFIG] [ROUNDS]  (0 rounds: per-call only)
 (writes $OUT/prefill_packed_ab.json)
 """
 

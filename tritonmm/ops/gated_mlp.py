@@ -63,8 +63,9 @@ def _gate_up(x2: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
 class _GateUp(torch.autograd.Function):
     """[G | U] = x @ [Wg; Wu]^T as one (M, 2N) tensor. Saves, as torch would, x where Wu needs a gradient and the
     weights where x does; its backward takes [dG | dU] from :class:`_Down`'s (through :class:`_GateWeightGrad`,
-    which gives Wg's gradient). Wg comes in detached where it needs a gradient (``gate``: itself, in a tuple: not an input), so that its
-    gradient is accumulated before this node runs; a backward with ``create_graph=True`` differentiates dx in ``gate``."""
+    which gives Wg's gradient). Wg comes in detached where it needs a gradient (``gate``: itself, in a tuple, so
+    not an input), so that its gradient is accumulated before this node runs; a backward with
+    ``create_graph=True`` differentiates dx in ``gate``."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, gate):
@@ -166,7 +167,7 @@ def _kept(t):
 
 def gated_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, b_down: Optional[Tensor],
               activation: str) -> Optional[Tensor]:
-    """``F.linear(act(F.linear(x, w_gate)) * F.linear(x, w_up), w_down, b_down)`` through :class:`_GateUp` and :class:`_Down`
+    """``F.linear(act(F.linear(x, w_gate)) * F.linear(x, w_up), w_down, b_down)`` through the autograd nodes above
     where it serves the call: autograd needed, plain eager mode, plain tensors of one dtype the Triton passes take
     (under ``torch.autocast``, once cast as F.linear casts them), packed gate and up weights, more than
     ``GATED_MAX_M`` rows and at least ``PRODUCT_MIN_FLOPS`` per projection. Else None (nothing run): the caller
