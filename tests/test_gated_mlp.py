@@ -307,8 +307,8 @@ def test_batched_gradients(counted):
 
 
 def test_the_down_weights_gradient_is_accumulated_before_the_gate_and_up_weights_are_computed(counted):
-    """Two autograd nodes: dWd reaches ``.grad`` (its hooks run) before the gate and up weights' gradients exist, as
-    in eager, so the backward never holds all three weights' gradients at once."""
+    """dWd reaches ``.grad`` (its hooks run) before the gate and up weights' gradients exist, as in eager, so the
+    backward never holds all three weights' gradients at once."""
     fused = tritonmm.fuse(MLP())
     seen = []
     fused.down_proj.weight.register_post_accumulate_grad_hook(

@@ -195,7 +195,7 @@ def _fused_forward(self, x):
                 if type(down).forward in _TORCH_LINEAR_FORWARDS and plain(down) and not _any_hooked(down):
                     wd, bd = _param(down, "weight"), _param(down, "bias")
                     if not compiling and bg is None and bu is None and _grad_enabled():
-                        y = gated_mlp(x, wg, wu, wd, bd, name)  # training: the MLP as two autograd nodes on [G | U]
+                        y = gated_mlp(x, wg, wu, wd, bd, name)  # training: the MLP's autograd nodes on [G | U]
                         if y is not None:
                             return y
                     return _F_linear(gated_linear(x, wg, wu, bg, bu, name), wd, bd)  # its forward, without __call__

@@ -72,13 +72,17 @@ def save(ctx, x, w_gate, w_up, b_gate, b_up, g, u) -> None:
     inputs = (x, w_gate, w_up, b_gate, b_up)
     ctx.save_for_backward(*(t if k else None for t, k in zip(inputs, keep)), g, u)
     ctx.x_shape = x.shape
-    ctx.others = tuple(None if k or t is None else (t, None if t.is_inference() else t._version)
-                       for t, k in zip(inputs, keep))  # (inference tensors have no version counter)
+    ctx.others = tuple(None if k else kept(t) for t, k in zip(inputs, keep))
 
 
 def recompute_inputs(ctx, saved) -> tuple:
     """The five inputs for :func:`graph_backward`: the saved ones, and the others unless modified in place."""
     return unmodified(getattr(ctx, "others", (None,) * 5), saved)  # (the op saves every input)
+
+
+def kept(t):
+    """``t`` with its version, for :func:`unmodified` (None for inference tensors, which have no version counter)."""
+    return None if t is None else (t, None if t.is_inference() else t._version)
 
 
 def unmodified(others, saved) -> tuple:

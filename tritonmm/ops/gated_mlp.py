@@ -121,8 +121,8 @@ class _Down(torch.autograd.Function):
         y = F.linear(_product(gu, gu.shape[1] // 2, activation), w_down, b_down)
         keep = ctx.needs_input_grad[0]
         ctx.save_for_backward(gu, w_down if keep else None)
-        ctx.others = (None, None if keep else _kept(w_down), _kept(b_down))
-        ctx.gate_up = tuple(map(_kept, gate_up_inputs)) if keep else None
+        ctx.others = (None, None if keep else gated_grads.kept(w_down), gated_grads.kept(b_down))
+        ctx.gate_up = tuple(map(gated_grads.kept, gate_up_inputs)) if keep else None
         ctx.activation, ctx.consumed = activation, False
         ctx.in_place = not _saved_tensor_hooks()  # (hooks may hold the saved tensor: it must stay as it was)
         return y
@@ -158,11 +158,6 @@ class _Down(torch.autograd.Function):
         elif needs[1]:
             dwd = dy.t() @ _product(gu, N, activation)
         return dgu, dwd, dbd, None, None
-
-
-def _kept(t):
-    """``t`` with its version (None for inference tensors, which have none), for :func:`gated_grads.unmodified`."""
-    return None if t is None else (t, None if t.is_inference() else t._version)
 
 
 def gated_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, b_down: Optional[Tensor],
