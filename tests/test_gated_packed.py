@@ -93,6 +93,30 @@ def test_packed_weights_take_the_kernel(dtype, monkeypatch):
     assert not gated_cublas._packed_launchers
 
 
+def test_a_replay_launches_the_packed_kernel_without_the_dispatch(monkeypatch):
+    """A later call of a geometry the packed kernel served launches it from the bound replay (the dispatch's
+    forward not called) into a fresh output; weights of that geometry that no longer lie packed go back through the
+    dispatch (cuBLAS). Values match float64 every time."""
+    _packed_kernel_everywhere(monkeypatch)
+    monkeypatch.setattr(gated_cublas, "_empty", lambda shape, **kw: torch.full(shape, float("nan"), **kw))
+    x = randn(2, 20, 64, dtype=torch.float16)
+    w, wg, wu = _packed(24, 64, torch.float16)
+    with torch.no_grad():
+        first = tritonmm.gated_linear(x, wg, wu)
+    calls = []
+    dispatch = gated_cublas.forward
+    monkeypatch.setattr(gated_cublas, "forward", lambda *a, **k: calls.append(a) or dispatch(*a, **k))
+    x2 = randn(2, 20, 64, dtype=torch.float16)
+    with torch.no_grad():
+        h = tritonmm.gated_linear(x2, wg, wu)
+    assert not calls and h.data_ptr() != first.data_ptr()
+    assert_close_to_ref(h, x2, wg, wu)
+    with torch.no_grad():
+        h = tritonmm.gated_linear(x2, wg.clone(), wu.clone())
+    assert len(calls) == 1
+    assert_close_to_ref(h, x2, wg, wu)
+
+
 def test_packed_kernel_limits(monkeypatch):
     """Below PACKED_KERNEL_MIN_FLOPS, N not a multiple of 8, float32, a misaligned operand, or a call keeping the
     projections for the backward: the packed kernel does not serve."""

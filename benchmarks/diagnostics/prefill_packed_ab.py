@@ -1,7 +1,7 @@
 """Diagnostic: a fused Llama model's eager prefill with the gated GEMM on packed weights from 2^35, from 2^36 (the
 shipped gated_cublas.PACKED_KERNEL_MIN_FLOPS) and never, against tritonmm off and its A/A control, alternated as
 `bench --model` alternates its modes. The question it answers: whether the packed kernel made the 8B-sized 1 x 512
-prefill slower (0.891x on an H100, benchmarks/h100_model.json) while the MLP alone ran faster with it. Then, per
+prefill slower (0.891x on an H100, diagnostics/h100_model_packed_2_35.json) while the MLP alone ran faster with it. Then, per
 mode, each MLP call's host time (its Python call, unsynchronized) and GPU time (CUDA events around it) inside the
 prefill: whether the slower prefill is host or GPU time.
 

@@ -33,10 +33,11 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PACKED_KERNEL_MIN_FLOPS = 2**36
 """FLOP per projection (2·M·N·K, 6.9e10) from which a call on packed weights without autograd, of more than
 :data:`tritonmm.dispatch.gated.GATED_MAX_M` rows, runs the gated GEMM on them (:mod:`tritonmm.kernels.gated_packed`)
-instead of the torch expression or the cuBLAS GEMM and the product pass: measured faster there
-(``benchmarks/h100_mlp.json``, ``kernel_ratio``; ``benchmarks/h100_model.json``, prefill 4 x 1024 and graph replay
-4 x 512). Below, the host sets more of the pace: a Llama-3-8B-sized model's 1 x 512 prefill (6.0e10 per projection)
-ran slower with it. None: never."""
+instead of the torch expression or the cuBLAS GEMM and the product pass: faster there in the MLP and in a model's
+prefill (``benchmarks/h100_mlp.json``; ``benchmarks/h100_model.json``, prefill 4 x 1024). Below, the kernel's GEMM
+runs at 0.85x of cuBLAS's (Llama-3-8B widths, 512 rows: ``diagnostics/h100_gated_packed_variants.json``) and the
+product pass it saves costs less than that: from 2^33, a Llama-3-8B-sized model's 1 x 512 prefill (6.0e10 per
+projection) ran at 0.945x off (``diagnostics/h100_model_packed_2_33.json``). None: never."""
 PACKED_KERNEL_SAVE = False
 """Whether calls that keep the projections for the backward run it too: they ran slower than the cuBLAS GEMM
 and the product pass (``benchmarks/h200_mlp.json``)."""
@@ -173,14 +174,15 @@ def replay(x, w_gate, activation):
     lead = x.shape[:-1]
     M, size, dtype, device = lead.numel(), w_gate.element_size(), x.dtype, x.device
     step, both, strides, out_shape = N * K * size, (2 * N, K), (K, 1), (*lead, N)
+    if packed_size(M, N, K, False) and dtype in _PACKED_DTYPES and _device.has_tma(device):
+        return _packed_replay(x, w_gate, activation)
     kernels = _kernels or _load()
     launch = kernels.halves_launcher(M, N, dtype, device, activation)
 
-    kernel = packed_size(M, N, K, False) and dtype in _PACKED_DTYPES and _device.has_tma(device)  # (forward decides)
     def run(x, w_gate, w_up, b_gate, b_up):
         pg, pu = w_gate.data_ptr(), w_up.data_ptr()
-        if kernel or pu != pg + step or pg - w_gate.storage_offset() * size != pu - w_up.storage_offset() * size:
-            return forward(x, w_gate, w_up, b_gate, b_up, activation, False)[0]  # not packed, or the packed kernel
+        if pu != pg + step or pg - w_gate.storage_offset() * size != pu - w_up.storage_offset() * size:
+            return forward(x, w_gate, w_up, b_gate, b_up, activation, False)[0]  # not packed
         gu = _F_linear(x, w_gate.as_strided(both, strides))  # (no autograd here: the caller's key has no gradient)
         h = _empty(out_shape, dtype=dtype, device=device)
         if not gu.is_contiguous():
@@ -190,6 +192,33 @@ def replay(x, w_gate, activation):
                 launch((gu, h, N))
             except kernels.LAUNCH_FAILURES as e:  # as in product(): torch serves, warned
                 _torch_product(gu.view(M, 2 * N)[:, :N], gu.view(M, 2 * N)[:, N:], h.view(M, N), activation, e)
+        return h
+
+    return run
+
+
+def _packed_replay(x, w_gate, activation):
+    """A bound :func:`forward` at sizes where the gated GEMM on packed weights serves: its launcher, built by the call
+    just served, launched with no check but the packing (the caller's key fixes shapes, strides, dtypes, devices and
+    alignments); :func:`forward` where the weights no longer lie packed, x is not contiguous, or the launcher was not
+    built or failed."""
+    N, K = w_gate.shape
+    lead = x.shape[:-1]
+    M, size, dtype, device = lead.numel(), w_gate.element_size(), x.dtype, x.device
+    step, out_shape = N * K * size, (*lead, N)
+    launch = _packed_launchers.get((M, N, K, K, K, dtype, device, False, activation)) if x.is_contiguous() else None
+    failures = (_kernels or _load()).LAUNCH_FAILURES
+    bound = launch is not None and launch is not _FAILED and M > 0 and w_gate.is_contiguous()
+
+    def run(x, w_gate, w_up, b_gate, b_up):
+        pg, pu = w_gate.data_ptr(), w_up.data_ptr()
+        if not bound or pu != pg + step or pg - w_gate.storage_offset() * size != pu - w_up.storage_offset() * size:
+            return forward(x, w_gate, w_up, b_gate, b_up, activation, False)[0]
+        h = _empty(out_shape, dtype=dtype, device=device)
+        try:
+            launch(x, w_gate, h, None)  # (the kernel takes base pointers: x as (M, K), w_gate's as [Wg; Wu]'s)
+        except failures:  # (forward launches it again: it warns, and cuBLAS serves the geometry from then on)
+            return forward(x, w_gate, w_up, b_gate, b_up, activation, False)[0]
         return h
 
     return run
