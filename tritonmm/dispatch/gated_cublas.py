@@ -40,7 +40,8 @@ product pass it saves costs less than that: from 2^33, a Llama-3-8B-sized model'
 projection) ran at 0.945x off (``diagnostics/h100_model_packed_2_33.json``). None: never."""
 PACKED_KERNEL_SAVE = False
 """Whether calls that keep the projections for the backward run it too: they ran slower than the cuBLAS GEMM
-and the product pass (``benchmarks/h200_mlp.json``)."""
+and the product pass (``benchmarks/h200_mlp.json``); an epilogue storing G, U and H as three tiles reaches 1.01-1.02x
+of that pair, about 0.3% of a training step (``diagnostics/h100_gated_packed_save.json``)."""
 _PACKED_DTYPES = (torch.float16, torch.bfloat16)
 
 
