@@ -14,11 +14,15 @@ H100/H200, where the Triton TMA kernel reaches 0.93-0.99x (``h200.json``, ``h100
     python3 benchmarks/diagnostics/gluon_ws_gemm.py --compile-only           (no GPU: compiles for sm_90)
 
 Written against triton 3.6's Gluon API (the GPU hosts'): ``gl.warp_specialize`` changed its arguments after it.
-With 4 stages the kernel holds 229,572 bytes of shared memory and 168 registers per thread, no spills (ptxas).
+The 128 x (2 x 128) tile with 4 stages holds 229,572 bytes of shared memory, 168 registers per thread, no spills
+(``--compile-only`` prints each config's). The checks run in a child process with a timeout: a wrong mbarrier
+phase hangs the GPU rather than failing.
 """
 import argparse
 import json
 import os
+import subprocess
+import sys
 
 import torch
 import triton
@@ -151,6 +155,14 @@ def _descs(x, w, out, BLOCK_M, HALF, BLOCK_K):
     return desc(x, [BLOCK_M, BLOCK_K]), desc(w, [HALF, BLOCK_K]), desc(out, [BLOCK_M, HALF])
 
 
+CONFIGS = {  # name: ws_gemm keywords (maxnreg: registers per thread of every warp, the loader's warpgroup included)
+    "128x2x128_s3_w8": dict(BLOCK_M=128, HALF=128, BLOCK_K=64, STAGES=3, num_warps=8, maxnreg=168),
+    "128x2x128_s4_w8": dict(BLOCK_M=128, HALF=128, BLOCK_K=64, STAGES=4, num_warps=8, maxnreg=168),
+    "128x2x64_s4_w4": dict(BLOCK_M=128, HALF=64, BLOCK_K=64, STAGES=4, num_warps=4, maxnreg=232),
+    "128x2x64_s6_w4": dict(BLOCK_M=128, HALF=64, BLOCK_K=64, STAGES=6, num_warps=4, maxnreg=232),
+}
+
+
 def ws_gemm(x, w, out, gated, BLOCK_M=128, HALF=128, BLOCK_K=64, GROUP_M=8, STAGES=3, num_warps=8, load_regs=40,
             maxnreg=168, num_sms=None):
     """out = x @ w^T (plain: w (N, K), out (M, N)) or act(x @ Wg^T) * (x @ Wu^T) (gated: w = [Wg; Wu] (2N, K),
@@ -165,7 +177,11 @@ def ws_gemm(x, w, out, gated, BLOCK_M=128, HALF=128, BLOCK_K=64, GROUP_M=8, STAG
 
 
 def compile_only(gated, STAGES=3, BLOCK_M=128, HALF=128, BLOCK_K=64, num_warps=8, load_regs=40, maxnreg=168):
-    """Compile for sm_90 without a GPU (TensorDescriptors over CPU tensors give the signature)."""
+    """Compile for sm_90 without a GPU (TensorDescriptors over CPU tensors give the signature): (shared memory
+    bytes, registers per thread, spilled bytes) from the cubin's resource usage."""
+    import re
+    import tempfile
+
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -181,52 +197,88 @@ def compile_only(gated, STAGES=3, BLOCK_M=128, HALF=128, BLOCK_K=64, num_warps=8
     signature = {name: ("constexpr" if name in consts else mangle_type(values[name])) for name in fn.arg_names}
     src = GluonASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
-    return k.metadata.shared, len(k.asm.get("cubin", b""))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
+    return dict(shared=k.metadata.shared, regs=regs, local_bytes=local)
+
+
+def check():
+    """Every config, plain and gated, on odd sizes (partial tiles everywhere) against float64; exit status 1 on a
+    wrong or NaN value."""
+    torch.manual_seed(0)
+    bad = 0
+    for M, N, K in ((300, 264, 200), (1000, 1032, 520), (2048, 4096, 1024)):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(2 * N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        ref = x.double() @ w.double().T
+        for name, cfg in CONFIGS.items():
+            for gated in (False, True):
+                o = torch.full((M, N if gated else 2 * N), float("nan"), device="cuda", dtype=torch.bfloat16)
+                ws_gemm(x, w, o, gated, **cfg)
+                torch.cuda.synchronize()
+                want = torch.nn.functional.silu(ref[:, :N]) * ref[:, N:] if gated else ref
+                err = ((o.double() - want).norm() / want.norm()).item()
+                ok = err < 1e-2 and not o.isnan().any().item()
+                bad += not ok
+                print(json.dumps(dict(config=name, M=M, N=N, K=K, gated=gated, rel_err=err, ok=ok)), flush=True)
+    sys.exit(1 if bad else 0)
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--check", action="store_true", help="the checks alone (run in a child process by default)")
     args = p.parse_args()
     if args.compile_only:
-        for gated in (False, True):
-            for stages in (3, 4):
-                print("gated" if gated else "plain", "stages", stages, "smem, cubin bytes:", compile_only(gated, stages))
+        for name, cfg in CONFIGS.items():
+            for gated in (False, True):
+                print(name, "gated" if gated else "plain", compile_only(gated, **{k: v for k, v in cfg.items()}))
         return
-    torch.manual_seed(0)
-    out = {"device": torch.cuda.get_device_name(), "checks": [], "rows": []}
+    if args.check:
+        check()
+    out = {"device": torch.cuda.get_device_name(), "configs": CONFIGS, "checks": [], "rows": []}
+    try:  # (a child process: a wrong barrier phase hangs the GPU, and only a timeout ends it)
+        done = subprocess.run([sys.executable, __file__, "--check"], capture_output=True, text=True, timeout=240)
+        out["checks"] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        out["checks_status"] = done.returncode if done.returncode == 0 else f"{done.returncode}: {done.stderr[-600:]}"
+    except subprocess.TimeoutExpired:
+        out["checks_status"] = "timed out after 240 s (a hang)"
+    print("checks:", out["checks_status"], flush=True)
+    _write(out)
+    if out["checks_status"] != 0:
+        return
     bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=150, return_mode="median") * 1e3  # noqa: E731
-    for M, N, K in ((300, 264, 200), (1000, 1032, 520), (2048, 4096, 1024)):  # odd sizes: partial tiles everywhere
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(2 * N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-        ref = (x.double() @ w.double().T)
-        for gated in (False, True):
-            o = torch.full((M, N if gated else 2 * N), float("nan"), device="cuda", dtype=torch.bfloat16)
-            ws_gemm(x, w, o, gated)
-            want = torch.nn.functional.silu(ref[:, :N]) * ref[:, N:] if gated else ref
-            err = ((o.double() - want).norm() / want.norm()).item()
-            out["checks"].append(dict(M=M, N=N, K=K, gated=gated, rel_err=err, nan=bool(o.isnan().any())))
-            print(out["checks"][-1], flush=True)
     for name, M, N, K in (("square", 4096, 4096, 4096), ("square", 8192, 8192, 8192), ("8b", 4096, 14336, 4096),
                           ("8b", 16384, 14336, 4096), ("tiny", 4096, 5632, 2048), ("8b", 512, 14336, 4096)):
+        torch.manual_seed(0)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(2 * N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-        plain_w = w[:N] if name == "square" else w
-        cols = plain_w.shape[0]
-        o = torch.empty(M, cols, device="cuda", dtype=torch.bfloat16)
+        plain_w = w[:N] if name == "square" else w  # (square: N x N; else the GEMM on [Wg; Wu], 2N columns)
+        o = torch.empty(M, plain_w.shape[0], device="cuda", dtype=torch.bfloat16)
+        h = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         row = dict(config=name, M=M, N=N, K=K, cublas_us=bench(lambda: torch.nn.functional.linear(x, plain_w)))
-        for stages in (3, 4):
+        if name != "square":  # what a fused MLP's forward runs now above the packed kernel's threshold: eager's pair
+            row["eager_gated_us"] = bench(lambda: torch.nn.functional.silu(torch.nn.functional.linear(x, w[:N]))
+                                          * torch.nn.functional.linear(x, w[N:]))
+        for cname, cfg in CONFIGS.items():
             try:
-                row[f"plain_s{stages}_us"] = bench(lambda: ws_gemm(x, plain_w, o, False, STAGES=stages))
-                row[f"plain_s{stages}_vs_cublas"] = row["cublas_us"] / row[f"plain_s{stages}_us"]
+                row[f"{cname}_plain_vs_cublas"] = row["cublas_us"] / bench(lambda: ws_gemm(x, plain_w, o, False, **cfg))
                 if name != "square":
-                    h = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-                    row[f"gated_s{stages}_us"] = bench(lambda: ws_gemm(x, w, h, True, STAGES=stages))
-                    row[f"gated_s{stages}_vs_cublas"] = row["cublas_us"] / row[f"gated_s{stages}_us"]
-            except Exception as e:  # (a stage count that does not fit: reported)
-                row[f"s{stages}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                    t = bench(lambda: ws_gemm(x, w, h, True, **cfg))
+                    row[f"{cname}_gated_vs_cublas_gemm"] = row["cublas_us"] / t
+                    row[f"{cname}_gated_vs_eager"] = row["eager_gated_us"] / t
+            except Exception as e:  # (a config that does not fit: reported)
+                row[f"{cname}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
         out["rows"].append(row)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        _write(out)
+
+
+def _write(out):
     os.makedirs(os.environ.get("OUT", "/tmp/out"), exist_ok=True)
     with open(os.path.join(os.environ.get("OUT", "/tmp/out"), "gluon_ws_gemm.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -74,8 +74,9 @@ def packed_takes(x: torch.Tensor, w_gate: torch.Tensor, w_up, save: bool) -> boo
     ``w_gate`` in one storage (:func:`packed`), float16 or bfloat16 on a GPU with TMA. (Alignment is checked when it
     runs: cuBLAS serves misaligned operands.)"""
     K = x.shape[-1]
-    return w_up is not None and x.dtype in _PACKED_DTYPES and K != 0 and packed_size(x.numel() // K, *w_gate.shape, save) \
-        and packed(w_gate, w_up) is not None and _device.has_tma(x.device)
+    return w_up is not None and x.dtype in _PACKED_DTYPES and K != 0 \
+        and packed_size(x.numel() // K, *w_gate.shape, save) and packed(w_gate, w_up) is not None \
+        and _device.has_tma(x.device)
 
 
 def packed_kernel_serves(x2: torch.Tensor, w: torch.Tensor, save: bool, any_size: bool = False) -> bool:
