@@ -5,6 +5,9 @@ in flight, frees each stage through an mbarrier, and runs the epilogue while the
 tile. Each tile has two accumulators of (BLOCK_M, HALF): plain, columns [n, n + HALF) and [n + HALF, n + 2 HALF)
 of one output tile; gated, the gate and up projections of the same HALF columns, so the epilogue computes
 act(G) * U in registers and stores H once (each projection rounded to the output dtype first, as eager does).
+The backward kernel is a fused MLP's down-projection input gradient dH = dY @ Wd with the SiLU product's backward as
+its epilogue: the loader also fetches the tile's G and U, the epilogue stores dG, dU and H (for the down weight's
+gradient) and dH is never stored; it is timed against cuBLAS's dH and tritonmm's one gradient pass.
 
 The question it answers: whether warp specialization brings the GEMM under the fused MLP to cuBLAS's speed on an
 H100/H200, where the Triton TMA kernel reaches 0.93-0.99x (``h200.json``, ``h100_gated_packed_variants.json``).
@@ -147,6 +150,117 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, GATED: gl.constexpr, GROUP_
     ], [1], [LOAD_REGS])
 
 
+@gluon.jit
+def _bwd_load_partition(dy_desc, wd_desc, g_desc, u_desc, a_bufs, b_bufs, g_smem, u_smem, ready, empty, epi_ready,
+                        epi_empty, M, N, K, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
+    BLOCK_M: gl.constexpr = dy_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = dy_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = wd_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    nbytes: gl.constexpr = dy_desc.block_type.nbytes + wd_desc.block_type.nbytes
+    it = 0
+    t = 0
+    for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
+        off_m, off_n, _ = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, True, GROUP_M)
+        mbarrier.wait(epi_empty, (t & 1) ^ 1)  # (the previous tile's epilogue has read G and U)
+        mbarrier.expect(epi_ready, 2 * g_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(g_desc, [off_m, off_n], epi_ready, g_smem)
+        tma.async_copy_global_to_shared(u_desc, [off_m, off_n], epi_ready, u_smem)
+        for k in range(0, K, BLOCK_K):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(dy_desc, [off_m, k], bar, a_bufs.index(s))
+            tma.async_copy_global_to_shared(wd_desc, [k, off_n], bar, b_bufs.index(s))
+            it += 1
+        t += 1
+
+
+@gluon.jit
+def _bwd_mma_partition(a_bufs, b_bufs, g_smem, u_smem, c_smem, ready, empty, epi_ready, epi_empty, dg_desc, du_desc,
+                       h_desc, M, N, K, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    dtype: gl.constexpr = h_desc.dtype
+    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    it = 0
+    t = 0
+    for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
+        off_m, off_n, _ = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, True, GROUP_M)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
+        first = it
+        for k in range(0, K, BLOCK_K):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=it > first)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=it > first)
+        # the gated product's backward, rounded where eager's kernels round: dH, act(G), dU, the product's gradient
+        mbarrier.wait(epi_ready, t & 1)
+        g = g_smem.load(layout).to(gl.float32)
+        u = u_smem.load(layout).to(gl.float32)
+        fence_async_shared()  # (the loader's next TMA writes G and U after these reads)
+        mbarrier.arrive(epi_empty, count=1)
+        dh = acc.to(dtype).to(gl.float32)
+        sig = 1.0 / (1.0 + gl.exp(-g))
+        a = (g * sig).to(dtype).to(gl.float32)
+        d_act = (dh * u).to(dtype).to(gl.float32)
+        tma.store_wait(0)
+        c_smem.store((d_act * (sig * (1.0 + g * (1.0 - sig)))).to(dtype))  # dG
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dg_desc, [off_m, off_n], c_smem)
+        tma.store_wait(0)
+        c_smem.store((dh * a).to(dtype))  # dU
+        fence_async_shared()
+        tma.async_copy_shared_to_global(du_desc, [off_m, off_n], c_smem)
+        tma.store_wait(0)
+        c_smem.store((a * u).to(dtype))  # H, for the down weight's gradient
+        fence_async_shared()
+        tma.async_copy_shared_to_global(h_desc, [off_m, off_n], c_smem)
+        t += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_gated_backward_kernel(dy_desc, wd_desc, g_desc, u_desc, dg_desc, du_desc, h_desc, M, N, K,
+                              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, STAGES: gl.constexpr,
+                              LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """dG, dU and H (M, N each; dG and dU the halves of one (M, 2N) tensor) from dY (M, K) @ Wd (K, N) and the
+    forward's G and U (the halves of [G | U]): descriptors over each half, so partial tiles stop at N."""
+    BLOCK_M: gl.constexpr = dy_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = dy_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = wd_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], dy_desc.layout)
+    b_bufs = gl.allocate_shared_memory(wd_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], wd_desc.layout)
+    g_smem = gl.allocate_shared_memory(g_desc.dtype, g_desc.block_type.shape, g_desc.layout)
+    u_smem = gl.allocate_shared_memory(u_desc.dtype, u_desc.block_type.shape, u_desc.layout)
+    c_smem = gl.allocate_shared_memory(h_desc.dtype, h_desc.block_type.shape, h_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    epi_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(epi_ready, count=1)
+    mbarrier.init(epi_empty, count=1)
+    gl.warp_specialize([
+        (_bwd_mma_partition, (a_bufs, b_bufs, g_smem, u_smem, c_smem, ready, empty, epi_ready, epi_empty, dg_desc,
+                              du_desc, h_desc, M, N, K, GROUP_M, NUM_SMS, num_warps)),
+        (_bwd_load_partition, (dy_desc, wd_desc, g_desc, u_desc, a_bufs, b_bufs, g_smem, u_smem, ready, empty,
+                               epi_ready, epi_empty, M, N, K, GROUP_M, NUM_SMS)),
+    ], [1], [LOAD_REGS])
+
+
 def _descs(x, w, out, BLOCK_M, HALF, BLOCK_K):
     dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
 
@@ -176,9 +290,39 @@ def ws_gemm(x, w, out, gated, BLOCK_M=128, HALF=128, BLOCK_K=64, GROUP_M=8, STAG
                                             num_warps=num_warps, maxnreg=maxnreg)
 
 
-def compile_only(gated, STAGES=3, BLOCK_M=128, HALF=128, BLOCK_K=64, num_warps=8, load_regs=40, maxnreg=168):
-    """Compile for sm_90 without a GPU (TensorDescriptors over CPU tensors give the signature): (shared memory
-    bytes, registers per thread, spilled bytes) from the cubin's resource usage."""
+def _bwd_descs(dy, wd, gu, dgu, h, BLOCK_M, BLOCK_N, BLOCK_K):
+    dt = gl.bfloat16 if dy.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t, block):
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dt))
+    N = wd.shape[1]
+    tile = [BLOCK_M, BLOCK_N]
+    return (desc(dy, [BLOCK_M, BLOCK_K]), desc(wd, [BLOCK_K, BLOCK_N]), desc(gu[:, :N], tile), desc(gu[:, N:], tile),
+            desc(dgu[:, :N], tile), desc(dgu[:, N:], tile), desc(h, tile))
+
+
+BWD_CONFIGS = {
+    "bwd_128x128_s3_w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=3, num_warps=8, maxnreg=168),
+    "bwd_128x128_s4_w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=4, num_warps=8, maxnreg=168),
+}
+
+
+def ws_gated_backward(dy, wd, gu, dgu, h, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=4, num_warps=8,
+                      load_regs=40, maxnreg=168, num_sms=None):
+    """A fused MLP's down-projection backward with the SiLU product's: from dY (M, K), Wd (K, N) and the forward's
+    [G | U] (M, 2N), writes [dG | dU] (M, 2N) and H = act(G) * U (M, N); dH = dY @ Wd is never stored."""
+    M, K = dy.shape
+    N = wd.shape[1]
+    num_sms = num_sms or torch.cuda.get_device_properties(dy.device).multi_processor_count
+    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    descs = _bwd_descs(dy, wd, gu, dgu, h, BLOCK_M, BLOCK_N, BLOCK_K)
+    _ws_gated_backward_kernel[(min(num_sms, tiles),)](*descs, M, N, K, GROUP_M, num_sms, STAGES, load_regs,
+                                                      num_warps=num_warps, maxnreg=maxnreg)
+
+
+def _compile(fn, values, consts, num_warps, maxnreg):
+    """Compile ``fn`` for sm_90 without a GPU (TensorDescriptors over CPU tensors give the signature): shared memory
+    bytes, registers per thread and spilled bytes from the cubin's resource usage."""
     import re
     import tempfile
 
@@ -186,14 +330,6 @@ def compile_only(gated, STAGES=3, BLOCK_M=128, HALF=128, BLOCK_K=64, num_warps=8
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    M, N, K = 512, 256, 256
-    x = torch.empty(M, K, dtype=torch.bfloat16)
-    w = torch.empty(2 * N, K, dtype=torch.bfloat16)
-    out = torch.empty(M, N, dtype=torch.bfloat16)
-    a, b, c = _descs(x, w, out, BLOCK_M, HALF, BLOCK_K)
-    fn = _ws_gemm_kernel
-    values = dict(a_desc=a, b_desc=b, c_desc=c, M=M, N=N, K=K)
-    consts = dict(GATED=gated, GROUP_M=8, NUM_SMS=132, STAGES=STAGES, LOAD_REGS=load_regs, num_warps=num_warps)
     signature = {name: ("constexpr" if name in consts else mangle_type(values[name])) for name in fn.arg_names}
     src = GluonASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
@@ -206,11 +342,35 @@ def compile_only(gated, STAGES=3, BLOCK_M=128, HALF=128, BLOCK_K=64, num_warps=8
     return dict(shared=k.metadata.shared, regs=regs, local_bytes=local)
 
 
+def compile_only():
+    M, N, K = 512, 256, 256
+    e = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)  # noqa: E731
+    for name, c in CONFIGS.items():
+        a, b, o = _descs(e(M, K), e(2 * N, K), e(M, N), c["BLOCK_M"], c["HALF"], c["BLOCK_K"])
+        for gated in (False, True):
+            consts = dict(GATED=gated, GROUP_M=8, NUM_SMS=132, STAGES=c["STAGES"], LOAD_REGS=40,
+                          num_warps=c["num_warps"])
+            print(name, "gated" if gated else "plain", _compile(_ws_gemm_kernel, dict(
+                a_desc=a, b_desc=b, c_desc=o, M=M, N=N, K=K), consts, c["num_warps"], c["maxnreg"]), flush=True)
+    for name, c in BWD_CONFIGS.items():
+        descs = _bwd_descs(e(M, K), e(K, N), e(M, 2 * N), e(M, 2 * N), e(M, N), c["BLOCK_M"], c["BLOCK_N"],
+                           c["BLOCK_K"])
+        names = ("dy_desc", "wd_desc", "g_desc", "u_desc", "dg_desc", "du_desc", "h_desc")
+        values = dict(zip(names, descs), M=M, N=N, K=K)
+        consts = dict(GROUP_M=8, NUM_SMS=132, STAGES=c["STAGES"], LOAD_REGS=40, num_warps=c["num_warps"])
+        print(name, _compile(_ws_gated_backward_kernel, values, consts, c["num_warps"], c["maxnreg"]), flush=True)
+
+
+def _rel(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
 def check():
-    """Every config, plain and gated, on odd sizes (partial tiles everywhere) against float64; exit status 1 on a
-    wrong or NaN value."""
+    """Every config on odd sizes (partial tiles everywhere) against float64: the forward plain and gated, the
+    backward's [dG | dU] and H; exit status 1 on a wrong or NaN value."""
     torch.manual_seed(0)
     bad = 0
+    F = torch.nn.functional
     for M, N, K in ((300, 264, 200), (1000, 1032, 520), (2048, 4096, 1024)):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(2 * N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
@@ -220,11 +380,26 @@ def check():
                 o = torch.full((M, N if gated else 2 * N), float("nan"), device="cuda", dtype=torch.bfloat16)
                 ws_gemm(x, w, o, gated, **cfg)
                 torch.cuda.synchronize()
-                want = torch.nn.functional.silu(ref[:, :N]) * ref[:, N:] if gated else ref
-                err = ((o.double() - want).norm() / want.norm()).item()
+                err = _rel(o, F.silu(ref[:, :N]) * ref[:, N:] if gated else ref)
                 ok = err < 1e-2 and not o.isnan().any().item()
                 bad += not ok
                 print(json.dumps(dict(config=name, M=M, N=N, K=K, gated=gated, rel_err=err, ok=ok)), flush=True)
+        dy = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        wd = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) / N ** 0.5
+        gu = torch.randn(M, 2 * N, device="cuda", dtype=torch.bfloat16)
+        g, u = gu[:, :N].double(), gu[:, N:].double()
+        dh = dy.double() @ wd.double()
+        sig = torch.sigmoid(g)
+        want = dict(dg=dh * u * sig * (1 + g * (1 - sig)), du=dh * g * sig, h=g * sig * u)
+        for name, cfg in BWD_CONFIGS.items():
+            dgu = torch.full((M, 2 * N), float("nan"), device="cuda", dtype=torch.bfloat16)
+            h = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+            ws_gated_backward(dy, wd, gu, dgu, h, **cfg)
+            torch.cuda.synchronize()
+            errs = dict(dg=_rel(dgu[:, :N], want["dg"]), du=_rel(dgu[:, N:], want["du"]), h=_rel(h, want["h"]))
+            ok = max(errs.values()) < 1e-2 and not (dgu.isnan().any().item() or h.isnan().any().item())
+            bad += not ok
+            print(json.dumps(dict(config=name, M=M, N=N, K=K, rel_err=errs, ok=ok)), flush=True)
     sys.exit(1 if bad else 0)
 
 
@@ -234,13 +409,15 @@ def main():
     p.add_argument("--check", action="store_true", help="the checks alone (run in a child process by default)")
     args = p.parse_args()
     if args.compile_only:
-        for name, cfg in CONFIGS.items():
-            for gated in (False, True):
-                print(name, "gated" if gated else "plain", compile_only(gated, **{k: v for k, v in cfg.items()}))
+        compile_only()
         return
     if args.check:
         check()
-    out = {"device": torch.cuda.get_device_name(), "configs": CONFIGS, "checks": [], "rows": []}
+    from tritonmm.dispatch import gated_cublas
+
+    F = torch.nn.functional
+    out = {"device": torch.cuda.get_device_name(), "configs": CONFIGS, "bwd_configs": BWD_CONFIGS, "checks": [],
+           "rows": []}
     try:  # (a child process: a wrong barrier phase hangs the GPU, and only a timeout ends it)
         done = subprocess.run([sys.executable, __file__, "--check"], capture_output=True, text=True, timeout=240)
         out["checks"] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -260,19 +437,37 @@ def main():
         plain_w = w[:N] if name == "square" else w  # (square: N x N; else the GEMM on [Wg; Wu], 2N columns)
         o = torch.empty(M, plain_w.shape[0], device="cuda", dtype=torch.bfloat16)
         h = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        row = dict(config=name, M=M, N=N, K=K, cublas_us=bench(lambda: torch.nn.functional.linear(x, plain_w)))
-        if name != "square":  # what a fused MLP's forward runs now above the packed kernel's threshold: eager's pair
-            row["eager_gated_us"] = bench(lambda: torch.nn.functional.silu(torch.nn.functional.linear(x, w[:N]))
-                                          * torch.nn.functional.linear(x, w[N:]))
+        row = dict(config=name, M=M, N=N, K=K, cublas_us=bench(lambda: F.linear(x, plain_w)))
+        if name != "square":  # the shipped Triton kernel on packed weights (autotuned at its first call), and eager
+            row["triton_packed_us"] = bench(lambda: gated_cublas.packed_kernel(x, w, "silu"))
+            row["eager_gated_us"] = bench(lambda: F.silu(F.linear(x, w[:N])) * F.linear(x, w[N:]))
         for cname, cfg in CONFIGS.items():
             try:
                 row[f"{cname}_plain_vs_cublas"] = row["cublas_us"] / bench(lambda: ws_gemm(x, plain_w, o, False, **cfg))
                 if name != "square":
                     t = bench(lambda: ws_gemm(x, w, h, True, **cfg))
                     row[f"{cname}_gated_vs_cublas_gemm"] = row["cublas_us"] / t
-                    row[f"{cname}_gated_vs_eager"] = row["eager_gated_us"] / t
+                    row[f"{cname}_gated_vs_triton_packed"] = row["triton_packed_us"] / t
             except Exception as e:  # (a config that does not fit: reported)
                 row[f"{cname}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        if name != "square":  # the backward: dH = dY @ Wd with the product's backward, against cuBLAS + one pass
+            dy = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            wd = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) / N ** 0.5
+            gu = torch.randn(M, 2 * N, device="cuda", dtype=torch.bfloat16)
+            dgu = torch.empty_like(gu)
+
+            def current():  # (a fused MLP's training backward now: cuBLAS dH, then one Triton pass)
+                dh = dy @ wd
+                gated_cublas.grads_into(dh, gu[:, :N], gu[:, N:], "silu", dgu[:, :N], dgu[:, N:])
+            row["bwd_cublas_dh_us"] = bench(lambda: dy @ wd)
+            row["bwd_current_us"] = bench(current)
+            for cname, cfg in BWD_CONFIGS.items():
+                try:
+                    t = bench(lambda: ws_gated_backward(dy, wd, gu, dgu, h, **cfg))
+                    row[f"{cname}_vs_current"] = row["bwd_current_us"] / t
+                    row[f"{cname}_vs_cublas_dh"] = row["bwd_cublas_dh_us"] / t
+                except Exception as e:
+                    row[f"{cname}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
         out["rows"].append(row)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         _write(out)
