@@ -142,6 +142,7 @@ def _mma_partition(a_bufs, lo_bufs, hi_bufs, ready, empty, order, c_desc, c_smem
 def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, GATED: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_SMS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, LOAD_REGS: gl.constexpr,
                     MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+    gl.static_assert(STAGES >= 2, "a stage is freed one k-step late: one stage would deadlock")
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     HALF: gl.constexpr = b_desc.block_type.shape[0]
@@ -259,6 +260,7 @@ def _ws_gated_backward_kernel(dy_desc, wd_desc, g_desc, u_desc, dg_desc, du_desc
                               LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dG, dU and H (M, N each; dG and dU the halves of one (M, 2N) tensor) from dY (M, K) @ Wd (K, N) and the
     forward's G and U (the halves of [G | U]): descriptors over each half, so partial tiles stop at N."""
+    gl.static_assert(STAGES >= 2, "a stage is freed one k-step late: one stage would deadlock")
     BLOCK_M: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd_desc.block_type.shape[1]
