@@ -183,6 +183,15 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, GATED: gl.constexpr, GROUP_
 
 
 @gluon.jit
+def _fetch_gu(g_desc, u_desc, g_smem, u_smem, epi_ready, epi_empty, off_m, off_n, t):
+    """Tile t's G and U into their buffers once the consumer has freed them."""
+    mbarrier.wait(epi_empty, (t & 1) ^ 1)  # (a fresh barrier's phase 1 counts as complete: tile 0 passes)
+    mbarrier.expect(epi_ready, 2 * g_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(g_desc, [off_m, off_n], epi_ready, g_smem)
+    tma.async_copy_global_to_shared(u_desc, [off_m, off_n], epi_ready, u_smem)
+
+
+@gluon.jit
 def _bwd_load_partition(dy_desc, wd_desc, g_desc, u_desc, a_bufs, b_bufs, g_smem, u_smem, ready, empty, epi_ready,
                         epi_empty, M, N, K, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, RELEASE_AT: gl.constexpr):
     """The k-steps' dY and Wd tiles into the ring and each tile's G and U into their buffers: before the tile's
@@ -202,11 +211,8 @@ def _bwd_load_partition(dy_desc, wd_desc, g_desc, u_desc, a_bufs, b_bufs, g_smem
     t = 0
     for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
         off_m, off_n, _ = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, True, GROUP_M)
-        if RELEASE_AT < 0:
-            mbarrier.wait(epi_empty, (t & 1) ^ 1)  # (the previous tile's epilogue has read G and U)
-            mbarrier.expect(epi_ready, 2 * g_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(g_desc, [off_m, off_n], epi_ready, g_smem)
-            tma.async_copy_global_to_shared(u_desc, [off_m, off_n], epi_ready, u_smem)
+        if RELEASE_AT < 0:  # (the previous tile's epilogue has read G and U)
+            _fetch_gu(g_desc, u_desc, g_smem, u_smem, epi_ready, epi_empty, off_m, off_n, t)
         for k in range(0, K, BLOCK_K):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -216,10 +222,7 @@ def _bwd_load_partition(dy_desc, wd_desc, g_desc, u_desc, a_bufs, b_bufs, g_smem
             tma.async_copy_global_to_shared(wd_desc, [k, off_n], bar, b_bufs.index(s))
             if RELEASE_AT >= 0:
                 if k // BLOCK_K == fetch_at:  # (the consumer frees G and U's buffers in k-step release)
-                    mbarrier.wait(epi_empty, (t & 1) ^ 1)
-                    mbarrier.expect(epi_ready, 2 * g_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(g_desc, [off_m, off_n], epi_ready, g_smem)
-                    tma.async_copy_global_to_shared(u_desc, [off_m, off_n], epi_ready, u_smem)
+                    _fetch_gu(g_desc, u_desc, g_smem, u_smem, epi_ready, epi_empty, off_m, off_n, t)
             it += 1
         t += 1
 
@@ -264,32 +267,36 @@ def _bwd_mma_partition(a_bufs, b_bufs, g_smem, u_smem, c_smem, ready, empty, epi
         mbarrier.wait(epi_ready, t & 1)
         g = g_smem.load(layout).to(gl.float32)
         u = u_smem.load(layout).to(gl.float32)
+        if RELEASE_AT < 0:
+            fence_async_shared()  # (the loader's next TMA writes G and U after these reads)
+            mbarrier.arrive(epi_empty, count=1)
         dh = acc.to(dtype).to(gl.float32)
         sig = 1.0 / (1.0 + gl.exp(-g))
         a = (g * sig).to(dtype).to(gl.float32)
         d_act = (dh * u).to(dtype).to(gl.float32)
+        dg = (d_act * (sig * (1.0 + g * (1.0 - sig)))).to(dtype)
+        du = (dh * a).to(dtype)
+        h = (a * u).to(dtype)  # (for the down weight's gradient)
         if RELEASE_AT >= 0:  # G and U are in registers: their buffers take dG and dU, the third H (the last
             # tile's stores from them were awaited in this tile's k-loop)
-            g_smem.store((d_act * (sig * (1.0 + g * (1.0 - sig)))).to(dtype))
-            u_smem.store((dh * a).to(dtype))
-            c_smem.store((a * u).to(dtype))
+            g_smem.store(dg)
+            u_smem.store(du)
+            c_smem.store(h)
             fence_async_shared()
             tma.async_copy_shared_to_global(dg_desc, [off_m, off_n], g_smem)
             tma.async_copy_shared_to_global(du_desc, [off_m, off_n], u_smem)
             tma.async_copy_shared_to_global(h_desc, [off_m, off_n], c_smem)
         else:
-            fence_async_shared()  # (the loader's next TMA writes G and U after these reads)
-            mbarrier.arrive(epi_empty, count=1)
             tma.store_wait(0)
-            c_smem.store((d_act * (sig * (1.0 + g * (1.0 - sig)))).to(dtype))  # dG
+            c_smem.store(dg)
             fence_async_shared()
             tma.async_copy_shared_to_global(dg_desc, [off_m, off_n], c_smem)
             tma.store_wait(0)
-            c_smem.store((dh * a).to(dtype))  # dU
+            c_smem.store(du)
             fence_async_shared()
             tma.async_copy_shared_to_global(du_desc, [off_m, off_n], c_smem)
             tma.store_wait(0)
-            c_smem.store((a * u).to(dtype))  # H, for the down weight's gradient
+            c_smem.store(h)
             fence_async_shared()
             tma.async_copy_shared_to_global(h_desc, [off_m, off_n], c_smem)
         t += 1
@@ -450,8 +457,8 @@ def check():
     others' lines whole); exit status 1 on a wrong or NaN value."""
     F = torch.nn.functional
     sizes = ((300, 264, 200), (1000, 1032, 520), (2048, 4096, 1024))
-    few_programs = {(1000, 1032, 64), (1000, 1032, 200)}  # (the backward on 3 programs: many tiles each, 1 and 4
-    bwd_sizes = sizes + tuple(few_programs)  # k-steps, the release k-step clamped)
+    few_programs = ((1000, 1032, 64), (1000, 1032, 200))  # (the backward on 3 programs: many tiles each, 1 and 4
+    bwd_sizes = sizes + few_programs  # k-steps, the release k-step clamped)
     bad = 0
     order = sorted(CONFIGS, key=lambda n: CONFIGS[n].get("consumers", 1))
     for name in order[:1] + list(BWD_CONFIGS) + order[1:]:
