@@ -38,7 +38,7 @@ for step in "$@"; do
                T "${TESTS_TIMEOUT:-520}" python3 -m pytest -m gpu -q -p no:cacheprovider $g > "$OUT/gpu_par_$n.log" 2>&1 &
              done; wait; tail -n 3 "$OUT"/gpu_par_*.log ;;
     gluon) T "${GLUON_TIMEOUT:-500}" python3 benchmarks/diagnostics/gluon_ws_gemm.py 2>&1 | tail -30 ;;
-    mlp_parts) T "${PARTS_TIMEOUT:-200}" python3 benchmarks/diagnostics/mlp_forward_parts.py 2>&1 | grep -v "Warning\|warn(" ;;
+    mlp_parts) T "${PARTS_TIMEOUT:-300}" python3 benchmarks/diagnostics/mlp_forward_parts.py 2>&1 | grep -v "Warning\|warn(" ;;
     prefill_ab) T "${AB_TIMEOUT:-400}" python3 benchmarks/diagnostics/prefill_packed_ab.py ${AB_ARGS:-} 2>&1 | tail -10 ;;
     tests) T "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \
              ${TESTS:-tests/test_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;

@@ -1,12 +1,18 @@
-"""Diagnostic: where a LlamaMLP inference forward spends its time, eager against ``tritonmm.fuse``, at 512 and 4096
-tokens (bf16, no autograd). Per path: one call timed alone between CUDA events (as ``bench --mlp`` times it: the
-GPU idle at the start, so host time before and between launches counts), back-to-back calls (``do_bench``: the
-host runs ahead, GPU-paced), the host's enqueue time per call (behind a ``torch.cuda._sleep`` that keeps the GPU
-busy) and each kernel's GPU time from torch.profiler. The question it answers: why the fused forward at 512
-tokens is further from the bound (cuBLAS gate-and-up GEMM plus down) than at 4096.
+"""Diagnostic: where a LlamaMLP inference forward spends its time, eager against ``tritonmm.fuse``, at 512 to 4096
+tokens (bf16, no autograd), and the fused module on the two paths it can take at sizes where its thresholds send
+calls to the torch expression: ``fused_product`` (cuBLAS on the packed weights, then the product pass:
+``gated.PRODUCT_MIN_FLOPS_NO_GRAD`` = 0, ``gated_cublas.PACKED_KERNEL_MIN_FLOPS`` = None) and ``fused_packed`` (the
+gated GEMM on the packed weights: ``PACKED_KERNEL_MIN_FLOPS`` = 0). Per path: one call timed alone between CUDA
+events (the GPU idle at the start, so host time before and between launches counts), back-to-back calls
+(``do_bench``: GPU-paced where the host runs ahead, as ``bench --mlp``'s samples of back-to-back calls are), the
+host's enqueue time per call (behind a ``torch.cuda._sleep`` that keeps the GPU busy) and each kernel's GPU time
+from torch.profiler. The questions it answers: why the fused forward at 512 tokens is further from the bound
+(cuBLAS gate-and-up GEMM plus down) than at 4096, and whether the product path costs the host more than the torch
+expression it would replace there (a host-paced prefill would then lose what a GPU-paced call gains).
 
     PYTHONPATH=$PWD python3 benchmarks/diagnostics/mlp_forward_parts.py   (writes $OUT/mlp_forward_parts.json)
 """
+import contextlib
 import copy
 import json
 import os
@@ -19,6 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import tritonmm
 from tritonmm.bench.mlp import _mlp
+from tritonmm.dispatch import gated, gated_cublas
+from tritonmm.ops import gated as gated_op
 
 F = torch.nn.functional
 
@@ -40,7 +48,7 @@ def alone_us(fn, n=30):
 def host_us(fn, n=50):
     """Host time per call while the GPU is kept busy (nothing waits on it)."""
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))  # (about a second of GPU time ahead of the calls)
+    torch.cuda._sleep(int(5e8))  # (about a quarter of a second of GPU time ahead of the calls)
     t = time.perf_counter()
     for _ in range(n):
         fn()
@@ -59,23 +67,45 @@ def kernels(fn, steps=5):
     return {"gpu_us": round(sum(k[1] for k in ks), 1), "kernels": [[n, round(t, 1)] for n, t in ks[:8]]}
 
 
+@contextlib.contextmanager
+def thresholds(**values):
+    """gated / gated_cublas constants set within (and the gated linear's bound replays forgotten on both sides)."""
+    old = {k: getattr(gated_cublas if k == "PACKED_KERNEL_MIN_FLOPS" else gated, k) for k in values}
+    for k, v in values.items():
+        setattr(gated_cublas if k == "PACKED_KERNEL_MIN_FLOPS" else gated, k, v)
+    gated_op._fast.clear()
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(gated_cublas if k == "PACKED_KERNEL_MIN_FLOPS" else gated, k, v)
+        gated_op._fast.clear()
+
+
+none = contextlib.nullcontext
+variants = {"fused_product": lambda: thresholds(PRODUCT_MIN_FLOPS_NO_GRAD=0, PACKED_KERNEL_MIN_FLOPS=None),
+            "fused_packed": lambda: thresholds(PACKED_KERNEL_MIN_FLOPS=0)}
 out = {"device": torch.cuda.get_device_name(), "rows": []}
 with torch.no_grad():
     for name, (hidden, inter) in (("llama3-8b", (4096, 14336)), ("tinyllama", (2048, 5632))):
         eager = _mlp(hidden, inter, "cuda", torch.bfloat16)
         fused = tritonmm.fuse(copy.deepcopy(eager))
         w_cat = torch.cat([eager.gate_proj.weight, eager.up_proj.weight])
-        for M in (512, 4096):
+        for M in (512, 2048, 4096):
             x = torch.randn(M, hidden, device="cuda", dtype=torch.bfloat16)
             paths = {"eager": lambda: eager(x), "fused": lambda: fused(x),
-                     "bound": lambda: F.linear(F.linear(x, w_cat)[:, :inter], eager.down_proj.weight)}
+                     "bound": lambda: F.linear(F.linear(x, w_cat)[:, :inter], eager.down_proj.weight),
+                     "fused_product": lambda: fused(x), "fused_packed": lambda: fused(x)}
             row = {"config": name, "M": M}
             for p, fn in paths.items():
-                for _ in range(5):
-                    fn()
-                row[p] = {"alone_us": round(alone_us(fn), 1),
-                          "back_to_back_us": round(triton.testing.do_bench(fn, warmup=10, rep=100) * 1e3, 1),
-                          "host_us": round(host_us(fn), 1), **kernels(fn)}
+                with variants.get(p, none)():
+                    for _ in range(5):
+                        fn()
+                    if p != "bound":  # (bf16 roundings differ between paths)
+                        torch.testing.assert_close(fn(), eager(x), rtol=2e-2, atol=2e-2)
+                    row[p] = {"alone_us": round(alone_us(fn), 1),
+                              "back_to_back_us": round(triton.testing.do_bench(fn, warmup=10, rep=100) * 1e3, 1),
+                              "host_us": round(host_us(fn), 1), **kernels(fn)}
             print(json.dumps(row), flush=True)
             out["rows"].append(row)
 os.makedirs(os.environ.get("OUT", "/tmp/out"), exist_ok=True)
