@@ -20,6 +20,10 @@ On an H100 (``h100_gluon_ws_gemm.json``), every config checks right; the best, 1
 the gated GEMM at 0.99-1.00x the cuBLAS GEMM on [Wg; Wu] at Llama-3-8B widths and M >= 4096 (0.96x TinyLlama's,
 0.91x at 512 rows), 1.01-1.07x the shipped Triton kernel; plain, 1.08x cuBLAS at 8192^3 and 0.92x at 4096^3. The
 backward kernel with awaited stores runs at 0.95-1.01x cuBLAS's dH plus the one gradient pass: it does not pay.
+On the H200 (``h200_gluon_ws_gemm.json``) every config checks right too, and none pays: the best gated config runs
+at 0.97x the cuBLAS GEMM on [Wg; Wu] at 8B widths, 4096 rows (0.99x the shipped Triton kernel), 1.04x at 16384 rows
+(1.00x the shipped kernel); plain 1.04x cuBLAS at 8192^3, 0.90x at 4096^3; the backward configs whose stores drain
+during the next tile (``bwd_async``) 0.92-0.97x the cuBLAS dH plus the gradient pass at M >= 4096, 0.89x at 512.
 
     PYTHONPATH=$PWD python3 benchmarks/diagnostics/gluon_ws_gemm.py           (GPU: checks, then timings; writes
                                                                               $OUT/gluon_ws_gemm.json)
