@@ -214,9 +214,16 @@ def below_product_flops(x, w_gate, grad: bool, w_up=None, b_gate=None) -> bool:
     if b_gate is None and rows > GATED_MAX_M and w_up is not None:
         if gated_cublas.packed_takes(x, w_gate, w_up, grad):
             return False
-        if not grad and flops >= PACKED_PRODUCT_MIN_FLOPS_NO_GRAD and gated_cublas.packed(w_gate, w_up) is not None:
+        if not grad and flops >= PACKED_PRODUCT_MIN_FLOPS_NO_GRAD and _packed(w_gate, w_up):
             return False  # (packed weights without autograd: the product path from PACKED_PRODUCT_MIN_FLOPS_NO_GRAD)
     return True
+
+
+def _packed(w_gate, w_up) -> bool:
+    try:
+        return gated_cublas.packed(w_gate, w_up) is not None
+    except RuntimeError:  # (tensors without storage: subclasses, fake tensors)
+        return False
 
 
 def torch_serves(x, w_gate, w_up=None) -> bool:
