@@ -727,42 +727,6 @@ def test_product_thresholds_separate_the_measured_gpu_bound_and_host_bound_mlps(
         assert gated.torch_serves(x, w) is (gated.KERNEL_MAX_FLOPS_NO_GRAD < flops < gated.PRODUCT_MIN_FLOPS_NO_GRAD)
 
 
-def test_packed_weights_without_autograd_take_the_product_path_from_their_own_threshold(monkeypatch):
-    """Without autograd, a fused MLP on packed weights runs the product path from PACKED_PRODUCT_MIN_FLOPS_NO_GRAD
-    (one pass, against float64), one on unpacked weights only from PRODUCT_MIN_FLOPS_NO_GRAD; with autograd the
-    packed threshold does not apply."""
-    from tritonmm.dispatch import gated_cublas
-    from tritonmm.kernels import gated_product
-
-    products = []
-    halves = gated_product.halves_launcher
-    monkeypatch.setattr(gated_product, "halves_launcher",
-                        lambda *a: (lambda launch: lambda args: products.append(1) or launch(args))(halves(*a)))
-    real = gated_cublas.product
-    monkeypatch.setattr(gated_cublas, "product", lambda *a: products.append(1) or real(*a))
-    monkeypatch.setattr(gated, "KERNEL_MAX_FLOPS_NO_GRAD", 0)
-    monkeypatch.setattr(gated_cublas, "PACKED_KERNEL_MIN_FLOPS", None)
-    flops = 2 * 40 * 24 * 32
-    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS", flops + 1)
-    monkeypatch.setattr(gated, "PRODUCT_MIN_FLOPS_NO_GRAD", flops + 1)
-    x = torch.randn(40, 32)
-    for packed_min, want in ((flops, 1), (flops + 1, 0)):
-        monkeypatch.setattr(gated, "PACKED_PRODUCT_MIN_FLOPS_NO_GRAD", packed_min)
-        tritonmm.clear_cache()
-        base = MLP(hidden=32, inter=24)
-        packed, unpacked = tritonmm.fuse(copy.deepcopy(base)), tritonmm.fuse(copy.deepcopy(base), pack=False)
-        ref = base.double()(x.double())
-        for fused, n in ((packed, want), (unpacked, 0)):
-            products.clear()
-            with torch.no_grad():
-                out = fused(x)
-            torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
-            assert len(products) == n, (packed_min, fused is packed)
-        products.clear()
-        packed(x.clone().requires_grad_()).sum().backward()
-        assert not products
-
-
 @pytest.mark.parametrize("rows,hidden,inter,kernel", [
     (32, 1024, 2816, True),     # the small model's MLP: 1.84x of the torch expression in GPU time on the H200
     (2048, 1024, 2816, True),   # 1.2e10 FLOP per projection: 1.03x

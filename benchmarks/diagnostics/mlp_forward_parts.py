@@ -70,15 +70,16 @@ def kernels(fn, steps=5):
 @contextlib.contextmanager
 def thresholds(**values):
     """gated / gated_cublas constants set within (and the gated linear's bound replays forgotten on both sides)."""
-    old = {k: getattr(gated_cublas if k == "PACKED_KERNEL_MIN_FLOPS" else gated, k) for k in values}
+    home = {k: gated_cublas if hasattr(gated_cublas, k) else gated for k in values}
+    old = {k: getattr(home[k], k) for k in values}
     for k, v in values.items():
-        setattr(gated_cublas if k == "PACKED_KERNEL_MIN_FLOPS" else gated, k, v)
+        setattr(home[k], k, v)
     gated_op._fast.clear()
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(gated_cublas if k == "PACKED_KERNEL_MIN_FLOPS" else gated, k, v)
+            setattr(home[k], k, v)
         gated_op._fast.clear()
 
 

@@ -43,12 +43,6 @@ PRODUCT_MIN_FLOPS_NO_GRAD = 2**37
 path: an inference forward stays paced by the host to larger sizes than a training step, and the product pass's
 launch costs host time (``benchmarks/h200_model.json``, ``diagnostics/h200_mlp_host_in_model.json``). Calls on
 packed weights take the gated GEMM on them from :data:`tritonmm.dispatch.gated_cublas.PACKED_KERNEL_MIN_FLOPS`."""
-PACKED_PRODUCT_MIN_FLOPS_NO_GRAD = 2**35
-"""FLOP per projection (3.4e10) from which calls without autograd on packed weights take the product path (below
-:data:`tritonmm.dispatch.gated_cublas.PACKED_KERNEL_MIN_FLOPS`): there its one GEMM on [Wg; Wu] and one pass cost
-both the host and the GPU less than the torch expression's four kernels (Llama-3-8B widths, 512 rows, on the H200:
-97 against 111 us of host time per call, 242 against 268 us of GPU time; ``diagnostics/h200_mlp_forward_parts.json``,
-``fused_product`` against ``eager``)."""
 KERNEL_MAX_FLOPS_NO_GRAD = 2**34
 """FLOP per projection (2·M·N·K, 1.7e10) up to which calls without autograd of more than :data:`GATED_MAX_M` rows
 run the gated GEMM kernel too, where this GPU's table or a first-sight measurement
@@ -202,28 +196,15 @@ def kernel_rows(M: int, N: int, K: int, grad: bool) -> bool:
 
 def below_product_flops(x, w_gate, grad: bool, w_up=None, b_gate=None) -> bool:
     """More than :data:`GATED_MAX_M` rows, under :data:`PRODUCT_MIN_FLOPS` per projection for a call with autograd
-    (``grad``), under :data:`PRODUCT_MIN_FLOPS_NO_GRAD` for one without (:data:`PACKED_PRODUCT_MIN_FLOPS_NO_GRAD` on
-    packed weights), not :func:`kernel_rows` (static sizes) and not a call the gated GEMM on packed weights takes
-    (:func:`gated_cublas.packed_takes`): the torch expression's calls."""
+    (``grad``), under :data:`PRODUCT_MIN_FLOPS_NO_GRAD` for one without, not :func:`kernel_rows` (static sizes) and
+    not a call the gated GEMM on packed weights takes (:func:`gated_cublas.packed_takes`): the torch expression's
+    calls."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
     N = w_gate.shape[0]
-    flops = 2 * rows * N * K
-    if flops >= (PRODUCT_MIN_FLOPS if grad else PRODUCT_MIN_FLOPS_NO_GRAD) or kernel_rows(rows, N, K, grad):
-        return False
-    if b_gate is None and rows > GATED_MAX_M and w_up is not None:
-        if gated_cublas.packed_takes(x, w_gate, w_up, grad):
-            return False
-        if not grad and flops >= PACKED_PRODUCT_MIN_FLOPS_NO_GRAD and _packed(w_gate, w_up):
-            return False  # (packed weights without autograd: the product path from PACKED_PRODUCT_MIN_FLOPS_NO_GRAD)
-    return True
-
-
-def _packed(w_gate, w_up) -> bool:
-    try:
-        return gated_cublas.packed(w_gate, w_up) is not None
-    except RuntimeError:  # (tensors without storage: subclasses, fake tensors)
-        return False
+    return 2 * rows * N * K < (PRODUCT_MIN_FLOPS if grad else PRODUCT_MIN_FLOPS_NO_GRAD) \
+        and not kernel_rows(rows, N, K, grad) \
+        and not (b_gate is None and rows > GATED_MAX_M and gated_cublas.packed_takes(x, w_gate, w_up, grad))
 
 
 def torch_serves(x, w_gate, w_up=None) -> bool:

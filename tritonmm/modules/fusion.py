@@ -12,8 +12,7 @@
   weights are packed) and one Triton pass for the activation and the product (under ``torch.compile``,
   the expression Inductor fuses itself); calls above 16 rows and below
   :data:`tritonmm.dispatch.gated.PRODUCT_MIN_FLOPS` (:data:`~tritonmm.dispatch.gated.PRODUCT_MIN_FLOPS_NO_GRAD`
-  without autograd, :data:`~tritonmm.dispatch.gated.PACKED_PRODUCT_MIN_FLOPS_NO_GRAD` on packed weights) run the
-  recognised forward.
+  without autograd) run the recognised forward.
 * **Linear + activation** in an ``nn.Sequential`` (a Linear as above directly followed by a known
   activation module) run as one :func:`tritonmm.linear` call with the activation in the GEMM's
   epilogue, any number of rows; the Sequential's other modules run as they are. Where every such
