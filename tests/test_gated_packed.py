@@ -134,6 +134,20 @@ def test_packed_kernel_limits(monkeypatch):
     assert not gated_cublas.packed_kernel_serves(x, w, False) and not gated_cublas.packed_takes(x, wg, wu, False)
 
 
+def test_is_packed_agrees_with_packed():
+    """The per-call check (no view built) answers as packed() does: adjacent halves of one storage, in order, one
+    shape and dtype, contiguous; not two allocations, swapped halves, strided or transposed views, other shapes."""
+    w = randn(48, 64, dtype=torch.float16)
+    other = randn(48, 64, dtype=torch.float16)
+    cases = [(w[:24], w[24:]), (w[24:], w[:24]), (w[:24], other[24:]), (w[:16], w[16:]), (w[:24], w[24:].half()),
+             (w[:24, :32], w[24:, :32]), (w[:24], w[24:].t().contiguous().t()), (w[:8], w[8:16]), (w[:8], w[16:24]),
+             (w.view(2, 24, 64)[0], w.view(2, 24, 64)[1]), (w[:0], w[:0])]
+    for wg, wu in cases:
+        assert gated_cublas.is_packed(wg, wu) == (gated_cublas.packed(wg, wu) is not None)
+    assert gated_cublas.is_packed(w[:24], w[24:]) and gated_cublas.is_packed(w[:8], w[8:16])
+    assert not gated_cublas.is_packed(w[24:], w[:24]) and not gated_cublas.is_packed(w[:24], other[24:])
+
+
 def test_fused_mlp_forward_takes_the_packed_kernel(monkeypatch):
     """fuse packs the MLP's gate and up weights; an inference forward then runs the packed kernel (not the module's
     own forward, which the FLOP thresholds would pick at this size) and matches it computed in float64."""

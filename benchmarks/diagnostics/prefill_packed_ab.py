@@ -1,9 +1,12 @@
-"""Diagnostic: a fused Llama model's eager prefill with the gated GEMM on packed weights from 2^35, from 2^36 (the
-shipped gated_cublas.PACKED_KERNEL_MIN_FLOPS) and never, against tritonmm off and its A/A control, alternated as
-`bench --model` alternates its modes. The question it answers: whether the packed kernel made the 8B-sized 1 x 512
-prefill slower (0.891x on an H100, diagnostics/h100_model_packed_2_35.json) while the MLP alone ran faster with it. Then, per
-mode, each MLP call's host time (its Python call, unsynchronized) and GPU time (CUDA events around it) inside the
-prefill: whether the slower prefill is host or GPU time.
+"""Diagnostic: a fused Llama model's eager prefill as shipped, with the gated GEMM on packed weights from 2^35
+(gated_cublas.PACKED_KERNEL_MIN_FLOPS, shipped 2^36), and with the cuBLAS GEMM on the packed weights and the product
+pass from 2^35 (gated.PRODUCT_MIN_FLOPS_NO_GRAD, shipped 2^37) where the shipped code runs the torch expression,
+against tritonmm off and its A/A control, alternated as `bench --model` alternates its modes. The question it answers: which path serves the
+Llama-3-8B-sized 1 x 512 prefill's MLPs (6.0e10 FLOP per projection) best in the model, where the MLP benchmark alone
+times them differently (diagnostics/h200_mlp_forward_parts.json). Then, per mode, each MLP call's host time (its
+Python call, unsynchronized) and GPU time (CUDA events around it) inside the prefill: whether a slower prefill is host
+or GPU time. The 1 x 512 prefill is timed first and again after 2 x 512: the first row of a fresh process can read
+the GPU's clocks ramping up.
 
     PYTHONPATH=$PWD python3 benchmarks/diagnostics/prefill_packed_ab.py [CONFIG] [ROUNDS]  (0 rounds: per-call only)
 (writes $OUT/prefill_packed_ab.json)
@@ -21,7 +24,7 @@ import torch
 import tritonmm
 from tritonmm.bench import model as bench_model
 from tritonmm.bench.timing import machine_facts
-from tritonmm.dispatch import gated_cublas
+from tritonmm.dispatch import gated, gated_cublas
 from tritonmm.ops import gated as gated_op
 
 config = sys.argv[1] if len(sys.argv) > 1 else "llama3-8b-2l"
@@ -30,13 +33,13 @@ device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 model = bench_model.build_model(config, device, dtype)
 tritonmm.fuse(model)  # packed once; "off" runs the unfused forward on the same packed weights
-shipped = gated_cublas.PACKED_KERNEL_MIN_FLOPS
+shipped = gated_cublas.PACKED_KERNEL_MIN_FLOPS, gated.PRODUCT_MIN_FLOPS_NO_GRAD
 
 
 @contextlib.contextmanager
-def packed_from(flops, fused=True):
-    gated_cublas.PACKED_KERNEL_MIN_FLOPS = flops
-    gated_op.clear_cache()  # (bound replays keep the packed kernel's decision)
+def variant(packed_kernel=shipped[0], product=shipped[1], fused=True):
+    gated_cublas.PACKED_KERNEL_MIN_FLOPS, gated.PRODUCT_MIN_FLOPS_NO_GRAD = packed_kernel, product
+    gated_op.clear_cache()  # (bound replays keep the path's decision)
     if not fused:
         tritonmm.unfuse(model, unpack=False)
     try:
@@ -44,14 +47,14 @@ def packed_from(flops, fused=True):
     finally:
         if not fused:
             tritonmm.fuse(model)
-        gated_cublas.PACKED_KERNEL_MIN_FLOPS = shipped
+        gated_cublas.PACKED_KERNEL_MIN_FLOPS, gated.PRODUCT_MIN_FLOPS_NO_GRAD = shipped
         gated_op.clear_cache()
 
 
-modes = {"off": lambda: packed_from(shipped, fused=False), "fuse": lambda: packed_from(shipped),
-         "fuse_packed_2_35": lambda: packed_from(2**35), "fuse_no_packed": lambda: packed_from(None)}
+modes = {"off": lambda: variant(fused=False), "fuse": variant, "fuse_packed_2_35": lambda: variant(2**35),
+         "fuse_product_2_35": lambda: variant(product=2**35)}
 rows = []
-for batch, seq in ((1, 512), (2, 512), (4, 1024)) if rounds else ():  # (ROUNDS 0: the per-call times only)
+for batch, seq in ((1, 512), (2, 512), (1, 512), (4, 1024)) if rounds else ():  # (1 x 512 again: warmed up)  # (ROUNDS 0: the per-call times only)
     ids = bench_model._tokens(model.config.vocab_size, batch, seq, device)
     with torch.no_grad():
         ms = bench_model.alternate({m: (ctx, lambda: model(ids, use_cache=False)) for m, ctx in modes.items()},

@@ -116,21 +116,30 @@ def needs_int64(*operands) -> bool:
     return any((r + _BIG) * abs(sr) + (c + _BIG) * abs(sc) >= 2**31 for r, c, sr, sc in operands)
 
 
-def stacked(tensors) -> torch.Tensor | None:
-    """The tensor [t0; t1; ...] (concatenated along dim 0), a view, where each tensor directly follows the
-    one before in one storage (all contiguous and non-empty, one dtype, one shape but for dim 0), else
-    None. Detached: callers return the tensors' gradients themselves."""
+def adjacent(tensors) -> bool:
+    """Whether each tensor directly follows the one before in one storage (all contiguous and non-empty, one
+    dtype, one shape but for dim 0): :func:`stacked` without building the view (a check on the per-call path)."""
     first = tensors[0]
     if not first.dim():
-        return None
+        return False
     size, tail = first.element_size(), first.shape[1:]
     ptr = first.data_ptr()
-    base, rows = ptr - first.storage_offset() * size, 0
+    base = ptr - first.storage_offset() * size
     for t in tensors:
         n = t.numel()
         if not n or t.dtype != first.dtype or t.shape[1:] != tail or not t.is_contiguous() or t.data_ptr() != ptr \
                 or ptr - t.storage_offset() * size != base:
-            return None  # not adjacent, or adjacent allocations of two storages
+            return False  # not adjacent, or adjacent allocations of two storages
         ptr += n * size
-        rows += t.shape[0]
+    return True
+
+
+def stacked(tensors) -> torch.Tensor | None:
+    """The tensor [t0; t1; ...] (concatenated along dim 0), a view, where the tensors are :func:`adjacent`, else
+    None. Detached: callers return the tensors' gradients themselves."""
+    if not adjacent(tensors):
+        return None
+    first = tensors[0]
+    tail = first.shape[1:]
+    rows = sum(t.shape[0] for t in tensors)
     return first.detach().as_strided((rows, *tail), (tail.numel(), *first.stride()[1:]))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..core import activations, modes
 from ..core import device as _device
 from ..core.env import interpreting
-from ..core.layout import stacked
+from ..core.layout import adjacent, stacked
 from . import runners
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -59,6 +59,11 @@ def packed(w_gate: torch.Tensor, w_up: torch.Tensor):
     return stacked((w_gate, w_up))
 
 
+def is_packed(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
+    """Whether :func:`packed` gives a tensor, without building it."""
+    return w_gate.shape == w_up.shape and w_gate.dim() == 2 and adjacent((w_gate, w_up))
+
+
 _empty = torch.empty  # the product's output allocator (tests swap in a NaN-filling one)
 
 
@@ -75,7 +80,7 @@ def packed_takes(x: torch.Tensor, w_gate: torch.Tensor, w_up, save: bool) -> boo
     runs: cuBLAS serves misaligned operands.)"""
     K = x.shape[-1]
     return w_up is not None and x.dtype in _PACKED_DTYPES and K != 0 \
-        and packed_size(x.numel() // K, *w_gate.shape, save) and packed(w_gate, w_up) is not None \
+        and packed_size(x.numel() // K, *w_gate.shape, save) and is_packed(w_gate, w_up) \
         and _device.has_tma(x.device)
 
 
