@@ -58,7 +58,7 @@ with torch.no_grad():
                 fwd()
     torch.cuda.synchronize()
     for r in range(30):
-        order = list(modes)[r % 3:] + list(modes)[:r % 3]
+        order = list(modes)[r % len(modes):] + list(modes)[:r % len(modes)]
         for m in order:
             with modes[m]():
                 fwd()

@@ -54,14 +54,16 @@ def packed(w_gate: torch.Tensor, w_up: torch.Tensor):
     """The (2N, K) tensor [w_gate; w_up], a view, where ``w_up`` directly follows ``w_gate`` in one storage
     (both contiguous, one shape and dtype; :func:`tritonmm.core.layout.stacked`), else None. Detached: callers
     return the weights' gradients themselves."""
-    if w_gate.shape != w_up.shape or w_gate.dim() != 2:
-        return None
-    return stacked((w_gate, w_up))
+    return stacked((w_gate, w_up)) if _pair(w_gate, w_up) else None
 
 
 def is_packed(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
     """Whether :func:`packed` gives a tensor, without building it."""
-    return w_gate.shape == w_up.shape and w_gate.dim() == 2 and adjacent((w_gate, w_up))
+    return _pair(w_gate, w_up) and adjacent((w_gate, w_up))
+
+
+def _pair(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
+    return w_gate.shape == w_up.shape and w_gate.dim() == 2
 
 
 _empty = torch.empty  # the product's output allocator (tests swap in a NaN-filling one)
