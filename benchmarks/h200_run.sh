@@ -20,6 +20,12 @@
 #   prefill_ab  benchmarks/diagnostics/prefill_packed_ab.py -> $OUT/prefill_packed_ab.json
 #   gluon   benchmarks/diagnostics/gluon_ws_gemm.py: warp-specialized Gluon GEMMs checked, then timed against cuBLAS
 #           -> $OUT/gluon_ws_gemm.json
+#   host_parts  benchmarks/diagnostics/mlp_host_parts.py: a fused MLP call's host time by part, in a prefill and
+#           alone -> $OUT/mlp_host_parts.json
+#   compile_swap  benchmarks/diagnostics/compile_swap_probe.py: compiled prefill, swap_linear against off, with the
+#           last position's logits and with all -> $OUT/compile_swap_probe.json
+#   decode_ab  benchmarks/diagnostics/decode_path_ab.py: eager decode and 1 x 512 prefill, fuse as shipped and with
+#           the torch expression up to 16 rows -> $OUT/decode_path_ab.json
 #   mlp_parts  benchmarks/diagnostics/mlp_forward_parts.py: a LlamaMLP forward's time alone, back to back, on the host
 #           and per kernel -> $OUT/mlp_forward_parts.json
 set -uo pipefail
@@ -38,6 +44,9 @@ for step in "$@"; do
                T "${TESTS_TIMEOUT:-520}" python3 -m pytest -m gpu -q -p no:cacheprovider $g > "$OUT/gpu_par_$n.log" 2>&1 &
              done; wait; tail -n 3 "$OUT"/gpu_par_*.log ;;
     gluon) T "${GLUON_TIMEOUT:-500}" python3 benchmarks/diagnostics/gluon_ws_gemm.py 2>&1 | tail -30 ;;
+    host_parts) T "${PARTS_TIMEOUT:-200}" python3 benchmarks/diagnostics/mlp_host_parts.py 2>&1 | grep -v "Warning\|warn(" ;;
+    compile_swap) T "${PROBE_TIMEOUT:-300}" python3 benchmarks/diagnostics/compile_swap_probe.py 2>&1 | grep -v "Warning\|warn(" | tail -80 ;;
+    decode_ab) T "${AB_TIMEOUT:-300}" python3 benchmarks/diagnostics/decode_path_ab.py ${AB_ARGS:-} 2>&1 | grep -v "Warning\|warn(" | tail -10 ;;
     mlp_parts) T "${PARTS_TIMEOUT:-300}" python3 benchmarks/diagnostics/mlp_forward_parts.py 2>&1 | grep -v "Warning\|warn(" ;;
     prefill_ab) T "${AB_TIMEOUT:-400}" python3 benchmarks/diagnostics/prefill_packed_ab.py ${AB_ARGS:-} 2>&1 | tail -10 ;;
     tests) T "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \

@@ -217,6 +217,25 @@ def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert "| tiny | eager prefill 1 x 16 |" in capsys.readouterr().out
 
 
+def test_prefill_keeps_the_last_positions_logits_only():
+    """The model benchmark's prefill computes what generate's does: the last position's logits, equal to the
+    full forward's last row; a forward without the argument gets no keyword."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from tritonmm.bench.model import build_model, prefill_kwargs
+
+    model = build_model("tiny", torch.device("cpu"), torch.float64)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    kw = prefill_kwargs(model)
+    assert kw in ({"logits_to_keep": 1}, {"num_logits_to_keep": 1})
+    with torch.no_grad():
+        full, last = model(ids, use_cache=False).logits, model(ids, use_cache=False, **kw).logits
+    assert full.shape == (2, 7, model.config.vocab_size) and last.shape == (2, 1, model.config.vocab_size)
+    torch.testing.assert_close(last, full[:, -1:])
+    assert prefill_kwargs(torch.nn.Linear(2, 2)) == {}
+
+
 def test_model_benchmark_keeps_the_phases_of_a_run_cut_short(tmp_path, monkeypatch):
     """--json holds every phase measured so far (marked partial) when the run stops before its end; without
     ``per_call`` among the phases the per-call rows are not measured."""

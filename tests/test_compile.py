@@ -107,3 +107,31 @@ def test_export():
     with tritonmm.force_backend("triton"):
         torch.testing.assert_close(ep.module()(x), m(x))
         torch.testing.assert_close(m(x), torch.nn.functional.gelu(x @ m.w.t()) @ torch.ones(12, 3), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["linear", "matmul"])
+def test_compiled_cublas_decision_on_rows_that_do_not_fold_is_one_mm(op):
+    """A cuBLAS decision traced for a 3-D input whose rows do not fold as a view (the last position of each
+    sequence, as a prefill's logits take it) runs one mm on the rows (a copy), not a bmm against the broadcast
+    weight (a batched GEMV per sequence on cuBLAS); values against float64."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    x, w = randn(4, 9, 24)[:, -1:], randn(12, 24)
+    assert not x.is_contiguous()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def fn(x, w):
+        return tritonmm.linear(x, w) if op == "linear" else tritonmm.matmul(x, w.t())
+
+    torch._dynamo.reset()
+    with tritonmm.force_backend("torch"):
+        out = torch.compile(fn, backend=aot_autograd(fw_compiler=capture), fullgraph=True)(x, w)
+    torch.testing.assert_close(out, (x.double() @ w.double().t()).to(out.dtype), rtol=1e-5, atol=1e-5)
+    assert out.shape == (4, 1, 12)
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert not any("bmm" in t for t in targets), targets
+    assert any(t.startswith("aten.mm") or t.startswith("aten.addmm") for t in targets), targets

@@ -3,13 +3,13 @@ patched in and fused (MLPs and attention projections), alternated in one process
 host cost of each entry point (:mod:`tritonmm.bench.per_call`).
 
 Phases (each timed per mode, the order of the modes rotated round by round, wall time between
-``torch.cuda.synchronize()`` calls): eager prefill, eager decode with a KV cache, a training step
-(fp32 weights, bf16 autocast, AdamW), torch.compile prefill, CUDA-graph replay of a forward, and decode with a
-static KV cache under ``torch.compile(mode="reduce-overhead")`` (off against fuse).
+``torch.cuda.synchronize()`` calls): eager prefill (the last position's logits, as ``generate`` computes them:
+:func:`prefill_kwargs`), eager decode with a KV cache, a training step (fp32 weights, bf16 autocast, AdamW),
+torch.compile prefill, CUDA-graph replay of a forward, and decode with a static KV cache under
+``torch.compile(mode="reduce-overhead")`` (off against fuse).
 Ratios are off time / on time (> 1: tritonmm faster), against an A/A control (tritonmm off as a second
-contender), each with a 95% interval (:func:`tritonmm.bench.timing.median_interval`). Eager decode, paced by
-the host, whose wall time varies by a few percent from sample to sample on a shared host, and eager and compiled
-prefill, as paced and with short samples (tens of ms a round), take four times the rounds.
+contender), each with a 95% interval (:func:`tritonmm.bench.timing.median_interval`). Eager decode (paced by the
+host, whose wall time varies by a few percent between samples) and prefills (short rounds) take four times the rounds.
 """
 
 from __future__ import annotations
@@ -141,6 +141,13 @@ def _row(phase: str, config: str, times: dict) -> dict:
     return row
 
 
+def prefill_kwargs(model) -> dict:
+    """The keyword that makes ``model`` compute the logits of the last position only (``logits_to_keep=1``, as
+    transformers' ``generate`` passes in a prefill), or nothing where its forward has no such argument."""
+    params = inspect.signature(model.forward).parameters
+    return next(({name: 1} for name in ("logits_to_keep", "num_logits_to_keep") if name in params), {})
+
+
 def _tokens(vocab: int, batch: int, seq: int, device) -> torch.Tensor:
     g = torch.Generator(device="cpu").manual_seed(batch * 100003 + seq)
     return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
@@ -171,13 +178,13 @@ def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
     vocab = model.config.vocab_size
     rows = []
     runs = lambda fn: {m: (lambda m=m: mode(m, model), fn) for m in MODES}  # noqa: E731
-    decode_rounds = 4 * rounds  # paced by the host: more samples against its jitter
-    prefill_rounds = 4 * rounds  # as paced, and a round takes tens of ms
-    prefill = [(1, 16)] if small else [(1, 512), (4, 1024)]
-    for batch, seq in prefill:
+    # decode, paced by the host, and prefill, as paced and with rounds of tens of ms: four times the rounds
+    decode_rounds = prefill_rounds = 4 * rounds
+    last = prefill_kwargs(model)
+    for batch, seq in [(1, 16)] if small else [(1, 512), (4, 1024)]:
         ids = _tokens(vocab, batch, seq, device)
         with torch.no_grad():
-            ms = alternate(runs(lambda: model(ids, use_cache=False)), device, prefill_rounds, iters=3)
+            ms = alternate(runs(lambda: model(ids, use_cache=False, **last)), device, prefill_rounds, iters=3)
         rows.append(_row(f"eager prefill {batch} x {seq}", name, ms))
     new_tokens = 4 if small else 32
     for batch in ((1,) if small else (1, 16)):
@@ -240,7 +247,7 @@ def train_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
 
 
 def compile_phase(name: str, device, rounds: int) -> list[dict]:
-    """torch.compile prefill 4 x 1024: one compiled copy of the model per mode, all reading the same parameters
+    """torch.compile prefill 4 x 1024 (the last position's logits, :func:`prefill_kwargs`): one compiled copy of the model per mode, all reading the same parameters
     and buffers (copies of the modules only, so that no mode gains or loses by where its weights lie)."""
     import tritonmm
 
@@ -252,8 +259,9 @@ def compile_phase(name: str, device, rounds: int) -> list[dict]:
     tritonmm.fuse(copies["fuse"])
     compiled = {m: torch.compile(c) for m, c in copies.items()}
     patched = lambda: tritonmm.patch_linear()  # noqa: E731  (nn.Linear patched only around its copy's calls)
-    runs = {m: (patched if m == "patch" else contextlib.nullcontext, lambda m=m: compiled[m](ids, use_cache=False))
-            for m in compiled}
+    last = prefill_kwargs(model)
+    runs = {m: (patched if m == "patch" else contextlib.nullcontext,
+                lambda m=m: compiled[m](ids, use_cache=False, **last)) for m in compiled}
     with torch.no_grad():
         ms = alternate(runs, device, 4 * rounds, iters=5, warmup=3)  # short rounds: four times as many
     del copies, compiled, model
@@ -351,9 +359,8 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print, mea
 
 def _line(r: dict) -> str:
     nan = float("nan")
-    return (f"{r['config']:14} {r['phase']:48} {r['off_ms']:>9.3f} {r.get('swap_ratio', nan):>6.3f} "
-            f"{r.get('patch_ratio', nan):>6.3f} "
-            f"{r.get('fuse_ratio', nan):>6.3f} {r.get('control_ratio', nan):>6.3f}")
+    return (f"{r['config']:14} {r['phase']:48} {r['off_ms']:>9.3f} "
+            + " ".join(f"{r.get(f'{m}_ratio', nan):>6.3f}" for m in ("swap", "patch", "fuse", "control")))
 
 
 _HEADER = (f"{'config':14} {'phase':48} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6} {'A/A':>6}  "
@@ -379,10 +386,9 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|"]
 
     def cell(r, m):
-        if f"{m}_ratio" not in r:
-            return "-"
         lo_hi = r.get(f"{m}_interval")
-        return f"{r[f'{m}_ratio']:.3f}x" + (f" ({lo_hi[0]:.3f}-{lo_hi[1]:.3f})" if lo_hi else "")
+        return "-" if f"{m}_ratio" not in r else f"{r[f'{m}_ratio']:.3f}x" + (
+            f" ({lo_hi[0]:.3f}-{lo_hi[1]:.3f})" if lo_hi else "")
 
     for r in result["phases"]:
         lines.append(f"| {r['config']} | {r['phase']} | {r['off_ms']:.2f} | {cell(r, 'swap')} | "

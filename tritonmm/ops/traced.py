@@ -157,6 +157,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
                        lambda d: torch.ops.tritonmm.kernel_matmul(a, b, d.kernel, _config_arg(d)))
         if out is not None:
             return out
+        # cuBLAS on the rows (A's batch dims folded, a copy where its strides do not fold): torch.matmul on a
+        # 3-D A that does not fold into rows as a view decomposes into a bmm against the broadcast B, a batched
+        # GEMV per row block on cuBLAS (the last position's logits of a prefill: 6x the mm's time on an H100)
+        return torch.mm(a2, b2).view(out_shape)
     elif decide.forced()[0] == "triton" or (a.device.type == "cpu" and interpreting()):
         if not decide._capability(a.dtype, a.device):
             return torch.ops.tritonmm.kernel_matmul(a, b, "pointer", "")
@@ -172,4 +176,4 @@ def linear(x: Tensor, weight: Tensor, bias=None, activation: str = "none") -> Te
     x2 = x.unsqueeze(0) if x.dim() == 1 else _rows(x)
     out = _gemm_2d(x2, weight.t(), bias, activation, out_shape,
                    lambda d: torch.ops.tritonmm.kernel_linear(x, weight, bias, activation, d.kernel, _config_arg(d)))
-    return out if out is not None else _torch_linear(x, weight, bias, activation)
+    return out if out is not None else _torch_linear(x2, weight, bias, activation).view(out_shape)  # (rows: see matmul)
