@@ -90,21 +90,28 @@ def summary():
     return out
 
 
-def in_prefill(ids, n=20):
+def issue_us(fn, n, per=1, warm=1):
+    """Median host µs to issue ``fn`` (over ``n`` calls after ``warm`` untimed ones, each then synchronized), divided
+    by ``per``; the parts' times of those calls are kept."""
     with torch.no_grad():
-        for _ in range(3):
-            model(ids, use_cache=False, logits_to_keep=1)
+        for _ in range(warm):
+            fn()
         if cuda:
             torch.cuda.synchronize()
         times.clear()
         t = []
         for _ in range(n):
             t0 = now()
-            model(ids, use_cache=False, logits_to_keep=1)
-            t.append((now() - t0) / 1e3)
+            fn()
+            t.append((now() - t0) / 1e3 / per)
             if cuda:
                 torch.cuda.synchronize()
-    return {"prefill issue_us": statistics.median(t), **summary()}
+    return statistics.median(t)
+
+
+def in_prefill(ids, n=20):
+    last = bench_model.prefill_kwargs(model)
+    return {"prefill issue_us": issue_us(lambda: model(ids, use_cache=False, **last), n, warm=3), **summary()}
 
 
 def alone(x, n=20):
@@ -129,19 +136,7 @@ def in_decode(batch, tokens=16, n=3):
     prompt = bench_model._tokens(model.config.vocab_size, batch, 64, device)
     step = bench_model._tokens(model.config.vocab_size, batch, tokens, device)
     decode = bench_model.decoder(model, prompt, step)
-    with torch.no_grad():
-        decode()
-        if cuda:
-            torch.cuda.synchronize()
-        times.clear()
-        t = []
-        for _ in range(n):
-            t0 = now()
-            decode()
-            t.append((now() - t0) / 1e3 / tokens)
-            if cuda:
-                torch.cuda.synchronize()
-    return {"decode issue_us per token": statistics.median(t), **summary()}
+    return {"decode issue_us per token": issue_us(decode, n, per=tokens), **summary()}
 
 
 for m in model.model.layers:
