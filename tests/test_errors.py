@@ -47,11 +47,16 @@ def test_mixed_dtypes_no_promotion(da, db):
     assert str(da) in msg and str(db) in msg
 
 
-def test_mixed_devices():
-    a = randn(3, 4)
-    b = randn(4, 5, device="meta")
-    with pytest.raises(RuntimeError, match="cpu.*meta|meta.*cpu"):
-        tritonmm.matmul(a, b)
+def test_a_meta_operand_mixes_with_another_device_as_in_torch():
+    """torch.matmul and F.linear take a meta operand beside a CPU one (devices that differ otherwise raise:
+    ``test_gpu_reliability.py``); tritonmm answers with torch's shape and device."""
+    m, c = randn(5, 3, device="meta"), randn(4, 3)
+    pairs = [(lambda: tritonmm.linear(m, c), lambda: F.linear(m, c)),
+             (lambda: tritonmm.linear(c, m), lambda: F.linear(c, m)),
+             (lambda: tritonmm.matmul(m, c.t()), lambda: torch.matmul(m, c.t())),
+             (lambda: tritonmm.matmul(c, m.t()), lambda: torch.matmul(c, m.t()))]
+    for got, want in ((t(), r()) for t, r in pairs):
+        assert (got.shape, got.device) == (want.shape, want.device)
 
 
 @pytest.mark.parametrize("args", [(1, "t"), ("t", 2.0), ([1.0], "t")], ids=str)

@@ -52,6 +52,16 @@ def test_tensors_on_a_gpu_other_than_the_current_one(case):
     assert_matches_reference(got, a, b)
 
 
+@pytest.mark.parametrize("devices", [("cuda", "cpu"), ("cpu", "cuda")], ids=str)
+def test_a_cuda_and_a_cpu_operand_raise_like_torch(devices):
+    a, b = randn(8, 8, device=devices[0]), randn(8, 8, device=devices[1])
+    for fn, ref in ((tritonmm.matmul, torch.matmul), (tritonmm.linear, F.linear)):
+        with pytest.raises(RuntimeError) as want:
+            ref(a, b)
+        with pytest.raises(type(want.value), match="cuda.*cpu|cpu.*cuda"):
+            fn(a, b)
+
+
 @two_gpus
 def test_mixed_gpus_raise_like_torch():
     a, b = randn(8, 8, device="cuda:0"), randn(8, 8, device="cuda:1")

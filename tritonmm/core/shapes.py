@@ -18,12 +18,13 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str = "matmul") -> None:
 
     Raises:
         TypeError: an argument is not a Tensor.
-        RuntimeError: devices differ, dtypes differ, an operand is 0-D, or inner dims mismatch.
+        RuntimeError: devices differ (a meta operand goes with any, as in torch), dtypes differ, an operand is
+            0-D, or inner dims mismatch.
     """
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tritonmm.{op}: argument '{name}' must be Tensor, not {type(t).__name__}")
-    if a.device != b.device:
+    if a.device != b.device and not (a.is_meta or b.is_meta):  # (torch takes meta with any device)
         raise RuntimeError(
             f"tritonmm.{op}: expected all tensors to be on the same device, but found at least two devices, "
             f"{a.device} and {b.device}"
