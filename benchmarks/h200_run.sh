@@ -26,6 +26,8 @@
 #           last position's logits and with all -> $OUT/compile_swap_probe.json
 #   decode_ab  benchmarks/diagnostics/decode_path_ab.py: eager decode and 1 x 512 prefill, fuse as shipped and with
 #           the torch expression up to 16 rows -> $OUT/decode_path_ab.json
+#   decode_sweep  benchmarks/diagnostics/decode_gemm_sweep.py: decode-sized GEMMs (1 and 16 rows) over a wide config
+#           grid of the pointer, split-K and TMA kernels (swap-AB too) against cuBLAS -> $OUT/decode_gemm_sweep.json
 #   mlp_parts  benchmarks/diagnostics/mlp_forward_parts.py: a LlamaMLP forward's time alone, back to back, on the host
 #           and per kernel -> $OUT/mlp_forward_parts.json
 set -uo pipefail
@@ -47,6 +49,8 @@ for step in "$@"; do
     host_parts) T "${PARTS_TIMEOUT:-200}" python3 benchmarks/diagnostics/mlp_host_parts.py 2>&1 | grep -v "Warning\|warn(" ;;
     compile_swap) T "${PROBE_TIMEOUT:-300}" python3 benchmarks/diagnostics/compile_swap_probe.py 2>&1 | grep -v "Warning\|warn(" | tail -80 ;;
     decode_ab) T "${AB_TIMEOUT:-300}" python3 benchmarks/diagnostics/decode_path_ab.py ${AB_ARGS:-} 2>&1 | grep -v "Warning\|warn(" | tail -10 ;;
+    decode_sweep) T "${SWEEP_TIMEOUT:-300}" python3 benchmarks/diagnostics/decode_gemm_sweep.py "${SWEEP_SECONDS:-250}" \
+             2>&1 | grep -v "Warning\|warn(" ;;
     mlp_parts) T "${PARTS_TIMEOUT:-300}" python3 benchmarks/diagnostics/mlp_forward_parts.py 2>&1 | grep -v "Warning\|warn(" ;;
     prefill_ab) T "${AB_TIMEOUT:-400}" python3 benchmarks/diagnostics/prefill_packed_ab.py ${AB_ARGS:-} 2>&1 | tail -10 ;;
     tests) T "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \
