@@ -6,8 +6,8 @@ question it answers: whether a Triton kernel reads these weights closer to the H
 M = 16, cuBLAS reads Llama-3-8B's down weight at about 2.8 TB/s and o's at 1.8 on an H200, ``benchmarks/h200.json``),
 which would make the memory-bound GEMMs of a CUDA-graph or compiled decode faster.
 
-    PYTHONPATH=$PWD python3 benchmarks/diagnostics/decode_gemm_sweep.py [SECONDS]  (writes $OUT/decode_gemm_sweep.json;
-    step decode_sweep of benchmarks/h200_run.sh)
+    PYTHONPATH=$PWD [SWEEP_SHAPES=a,b] python3 benchmarks/diagnostics/decode_gemm_sweep.py [SECONDS]
+    (writes $OUT/decode_gemm_sweep.json; step decode_sweep of benchmarks/h200_run.sh)
 """
 
 import itertools
@@ -64,7 +64,9 @@ def main():
     dev, dtype = torch.device("cuda"), torch.bfloat16
     warm_up_gpu()
     rows = []
-    combos = list(itertools.product(SHAPES.items(), (1, 16)))
+    chosen = os.environ.get("SWEEP_SHAPES")  # e.g. SWEEP_SHAPES=llama8b-down,llama8b-o: those rows only
+    shapes = {k: v for k, v in SHAPES.items() if not chosen or k in chosen.split(",")}
+    combos = list(itertools.product(shapes.items(), (1, 16)))
     for i, ((name, (N, K)), M) in enumerate(combos):
         t_stop = min(t_end, time.monotonic() + (t_end - time.monotonic()) / (len(combos) - i))  # a share each
         g = torch.Generator(device=dev).manual_seed(0)
