@@ -13,6 +13,7 @@ which would make the memory-bound GEMMs of a CUDA-graph or compiled decode faste
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -53,17 +54,12 @@ ORDER = [c for group in itertools.zip_longest(*_families) for c in group if c is
 """The configs, the three families taken in turn: a shape's time share cut short still times each."""
 
 
-def median(v):
-    v = sorted(v)
-    return v[len(v) // 2]
-
-
 def main():
     budget = float(sys.argv[1]) if len(sys.argv) > 1 else 300.0
     t_end = time.monotonic() + budget
     dev, dtype = torch.device("cuda"), torch.bfloat16
     warm_up_gpu()
-    rows = []
+    machine, rows = machine_facts(), []
     chosen = os.environ.get("SWEEP_SHAPES")  # e.g. SWEEP_SHAPES=llama8b-down,llama8b-o: those rows only
     shapes = {k: v for k, v in SHAPES.items() if not chosen or k in chosen.split(",")}
     combos = list(itertools.product(shapes.items(), (1, 16)))
@@ -95,7 +91,7 @@ def main():
                 rows.append({"shape": name, "M": M, "config": cfg, "swap_ab": swapped,
                              "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
-            us_t, us_k = median(t_torch) * 1e3, median(t_tri) * 1e3
+            us_t, us_k = statistics.median(t_torch) * 1e3, statistics.median(t_tri) * 1e3
             row = {"shape": name, "M": M, "N": N, "K": K, "kernel": _kernel(cfg), "config": cfg, "swap_ab": swapped,
                    "cublas_us": us_t,
                    "triton_us": us_k, "ratio": us_t / us_k, "cublas_tbps": gb / us_t * 1e3,
@@ -111,7 +107,7 @@ def main():
         out = os.environ.get("OUT", "/tmp/out")
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "decode_gemm_sweep.json"), "w") as f:  # (after each shape: a cut run keeps them)
-            json.dump({"what": __doc__.split("\n\n")[0], "machine": machine_facts(), "rows": rows}, f, indent=1)
+            json.dump({"what": __doc__.split("\n\n")[0], "machine": machine, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
