@@ -416,6 +416,73 @@ def test_weight_plans_die_with_their_weights(monkeypatch):
         tritonmm.clear_cache()
 
 
+
+@pytest.mark.parametrize("how", ["swap", "patch", "fuse"])
+def test_planned_parameters_convert_and_load_with_swapped_tensors(how, monkeypatch):
+    """Under ``torch.__future__.set_swap_module_params_on_conversion(True)`` module conversions and
+    ``load_state_dict`` swap each parameter with ``torch.utils.swap_tensors``, which refuses a tensor that has a
+    weak reference: a planned layer (swapped, patched, a fused Linear + activation pair) converts and loads as
+    nn.Linear does, keeping its parameter objects, and its calls follow the new values."""
+    import contextlib
+
+    from tritonmm.dispatch import plans
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU weights: torch serves every GEMM, so plans are made
+    tritonmm.clear_cache()
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        ref = nn.Sequential(nn.Linear(16, 8), nn.ReLU())
+        model = copy.deepcopy(ref)
+        with tritonmm.patch_linear() if how == "patch" else contextlib.nullcontext():
+            if how == "swap":
+                tritonmm.swap_linear(model)
+            elif how == "fuse":
+                tritonmm.fuse(model)
+            x = randn(4, 16)
+            model(x), model(x)
+            weight = model[0].weight
+            assert id(weight) in plans.plans  # (else nothing here holds a reference, and the test is idle)
+            model.double()
+            ref.double()
+            assert model[0].weight is weight and weight.dtype == torch.float64
+            state = {k: torch.randn_like(v) for k, v in ref.state_dict().items()}
+            model.load_state_dict(state)
+            ref.load_state_dict(state)
+            assert model[0].weight is weight
+            x = x.double()
+            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+            torch.utils.swap_tensors(weight, nn.Parameter(torch.randn_like(weight)))
+            torch.testing.assert_close(model(x), F.relu(F.linear(x, weight, model[0].bias)), rtol=0, atol=0)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+        monkeypatch.undo()
+        tritonmm.clear_cache()
+
+
+def test_a_swapped_parametrized_linear_refuses_pickling_as_torch_does():
+    """torch refuses to pickle a parametrized module (only its state_dict saves); a swapped one raises the same
+    error, and deep-copies as torch's does."""
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    errors = []
+    for swap in (False, True):
+        lin = nn.Linear(4, 3)
+        if swap:
+            tritonmm.swap_linear(lin)
+        parametrize.register_parametrization(lin, "weight", Double())
+        with pytest.raises(RuntimeError) as error:
+            torch.save(lin, io.BytesIO())
+        errors.append(str(error.value))
+        x, twin = randn(2, 4), copy.deepcopy(lin)
+        assert type(twin) is type(lin)
+        torch.testing.assert_close(twin(x), F.linear(x, 2 * lin.parametrizations.weight.original, lin.bias))
+    assert errors[0] == errors[1]
+
 def test_fused_mlp_traces_with_a_proxy_subclass():
     """Tracers whose proxies subclass torch.fx.Proxy (meta_tracer, custom tracers) record a fused MLP's modules."""
     import torch.fx

@@ -6,7 +6,10 @@ torch. A plan only ever chooses torch's own call, so a stale one costs a missed 
 result.
 
 A plan lives as long as its weight: a weak reference's callback removes it when the weight's Python object is
-freed, so no other object that comes to have the same ``id`` (an fx Proxy, say) finds it.
+freed, so no other object that comes to have the same ``id`` (an fx Proxy, say) finds it. A parameter's plan follows
+its storage instead (it goes when the storage is freed or the parameter takes another one), since
+``torch.utils.swap_tensors`` refuses a tensor that has a weak reference: module conversions and
+``load_state_dict`` swap parameters so under ``torch.__future__.set_swap_module_params_on_conversion(True)``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ _ROW_DTYPES = (torch.float16, torch.bfloat16)
 _BACKEND, _KERNEL = raw_name("TRITONMM_BACKEND"), raw_name("TRITONMM_KERNEL")
 _PLAIN = modes.PLAIN
 _tracing_state = torch._C._get_tracing_state
+_Parameter = torch.nn.Parameter
 
 PLANS_MAX = 1 << 16
 ROWS_MAX = 64
@@ -38,7 +42,7 @@ autograd), else 0; ``rows`` (a set where ``free`` is 0, else None): the element 
 weight's dtype (``dtype``, as planned) whose forward resolved to torch itself (:func:`torch_rows`)."""
 free_ptrs: dict = {}
 """id(weight) -> data_ptr of the weights whose plan is 2: the first lookup of :mod:`tritonmm.api`'s calls."""
-_refs: dict = {}  # id(weight) -> a weak reference to the weight whose callback drops its plan
+_refs: dict = {}  # id(weight) -> a weak reference to the weight (a parameter's storage) whose callback drops its plan
 
 
 def _dropped(key: int, ref) -> None:
@@ -71,9 +75,10 @@ def plan(weight: Tensor, N: int, K: int) -> None:
     dtype, device = weight.dtype, weight.device
     free = 2 if decide.weight_free(N, K, dtype, device) else int(decide.weight_free(N, K, dtype, device, False))
     ptr, key = weight.data_ptr(), id(weight)
+    followed = weight.untyped_storage() if type(weight) is _Parameter else weight  # (module docstring)
     ref = _refs.get(key)
-    if ref is None or ref() is not weight:
-        _refs[key] = weakref.ref(weight, functools.partial(_dropped, key))
+    if ref is None or ref() is not followed:
+        _refs[key] = weakref.ref(followed, functools.partial(_dropped, key))
     plans[key] = (free, ptr, weight.shape, None if free else set(), dtype)
     if free == 2:
         free_ptrs[key] = ptr

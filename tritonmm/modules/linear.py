@@ -226,7 +226,7 @@ def reduce_as_base(module, protocol: int, mark: str, rebuild) -> tuple | str:
     has one: tritonmm's classes in its callable and arguments replaced by that class, and the callable wrapped as
     ``rebuild(base, callable, args)``, which gives the object tritonmm's class again (the generated classes need not
     be importable). State and items follow as the class's reduction gives them."""
-    base = type(module).__dict__[mark]
+    base = next(c.__dict__[mark] for c in type(module).__mro__ if mark in c.__dict__)  # (a parametrization's class)
     reduced = base.__reduce_ex__(module, protocol)
     if not isinstance(reduced, tuple):  # the name of a global: pickled by reference, as the class pickles it
         return reduced
