@@ -3,8 +3,9 @@ kernels, swap-AB too, over a config grid wider than ``configs/candidates.json``'
 with cuBLAS (``F.linear``), L2 flushed, as first-sight tuning times (:func:`tritonmm.core.timing._pair_times_ms`).
 Rows: the Llama-3-8B and TinyLlama projections a decode step reads (q/k/v packed, o, down, gate/up packed). The
 question it answers: whether a Triton kernel reads these weights closer to the HBM bandwidth than cuBLAS does (at
-M = 16, cuBLAS reads Llama-3-8B's down weight at about 2.8 TB/s and o's at 1.8 on an H200, ``benchmarks/h200.json``),
-which would make the memory-bound GEMMs of a CUDA-graph or compiled decode faster.
+M = 16, cuBLAS reads Llama-3-8B's down weight at about 2.8 TB/s and o's at 1.8 on an H200, ``benchmarks/h200.json``,
+timed after an L2 flush that leaves dirty lines in L2, which can be written back during the call; both contenders
+pay that here), which would make the memory-bound GEMMs of a CUDA-graph or compiled decode faster.
 
     PYTHONPATH=$PWD [SWEEP_SHAPES=a,b] python3 benchmarks/diagnostics/decode_gemm_sweep.py [SECONDS]
     (writes $OUT/decode_gemm_sweep.json; step decode_sweep of benchmarks/h200_run.sh)
