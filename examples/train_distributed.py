@@ -18,7 +18,9 @@ them rather than the cuBLAS fallback. Everything else is stock PyTorch:
 
 The model, data and optimizer are seeded, so an "on" and an "off" run see the same numbers and
 their losses can be compared step by step. Rank 0 prints the loss per step and the median step
-time; ``--json`` writes both. Without GPUs it runs on CPU with gloo (slow; for smoke tests).
+time; ``--json`` writes both. Without GPUs it runs on CPU with gloo, a smoke test: the GEMMs reach the Triton
+kernels only under ``TRITON_INTERPRET=1`` (slow), else torch serves them (``--backend triton`` warns so).
+Needs transformers (``pip install ".[examples]"``).
 """
 
 from __future__ import annotations

@@ -205,6 +205,8 @@ def test_forced_triton_on_cpu_outside_the_interpreter_warns_once(monkeypatch):
     try:
         with warnings.catch_warnings(record=True) as caught, tritonmm.force_backend("triton"):
             warnings.simplefilter("always")
+            torch.testing.assert_close(tritonmm.linear(a, b.t()), torch.matmul(a, b))
+            assert [(w.category, w.filename) for w in caught] == [(UserWarning, __file__)]  # the call, at its line
             for n in (8, 3):
                 torch.testing.assert_close(tritonmm.matmul(a[:n], b), torch.matmul(a[:n], b))
                 torch.testing.assert_close(tritonmm.linear(a[:n], b.t()), torch.matmul(a[:n], b))
@@ -215,3 +217,18 @@ def test_forced_triton_on_cpu_outside_the_interpreter_warns_once(monkeypatch):
     finally:
         monkeypatch.undo()
         tritonmm.clear_cache()
+
+
+def test_forced_triton_on_float64_warns_at_the_first_call(monkeypatch):
+    """float64 under a forced Triton backend runs torch; the first call itself warns, at the caller's line."""
+    import warnings
+
+    monkeypatch.setattr(decide, "_warned", set(), raising=False)
+    tritonmm.clear_cache()
+    a, b = torch.randn(6, 9, dtype=torch.float64), torch.randn(9, 4, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught, tritonmm.force_backend("triton"):
+        warnings.simplefilter("always")
+        torch.testing.assert_close(tritonmm.matmul(a, b), torch.matmul(a, b))
+        torch.testing.assert_close(torch.ops.tritonmm.linear(a, b.t()), torch.matmul(a, b))
+    assert [(w.category, w.filename) for w in caught] == [(UserWarning, __file__)]
+    assert "float64" in str(caught[0].message)

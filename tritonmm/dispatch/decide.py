@@ -3,24 +3,22 @@
 ``decide`` returns a :class:`Decision` with its reason; ``tritonmm.explain(a, b)`` shows it.
 Rules, in order (first match wins):
 
-1. a device or dtype the kernels do not handle (not CUDA, float64, integers, complex),
-   and float32 where torch.matmul would not use TF32 -> torch.matmul. Under
-   ``TRITON_INTERPRET=1`` CPU tensors take the Triton path (CI tests the kernel itself).
+1. a device or dtype the kernels do not handle (not CUDA, float64, integers, complex), and float32 where
+   torch.matmul would not use TF32 -> torch.matmul. Under ``TRITON_INTERPRET=1`` CPU tensors take the Triton path.
 2. empty problems (M, N or batch = 0; K = 0) -> no launch.
 3. a forced backend (``TRITONMM_BACKEND`` or :func:`force_backend`).
 4. a measured winner from the tuned table of this GPU (``configs/tuned/*.json``, :mod:`tritonmm.dispatch.tuned`,
    and this machine's, where :mod:`tritonmm.dispatch.first_sight` records GEMMs large enough to measure at their
    first eager call); a Triton winner must save at least ``TRITON_MIN_SAVING_US`` of GPU time per call.
-5. 2-D problems whose K or N is not a multiple of 16 bytes, at least ``PAD_MIN_FLOPS`` and
-   math-bound (at least ``PAD_MIN_INTENSITY`` FLOP/byte) -> cuBLAS on zero-padded aligned copies
-   (``kernel="padded"``, :mod:`tritonmm.dispatch.padded`).
+5. 2-D problems whose K or N is not a multiple of 16 bytes, at least ``PAD_MIN_FLOPS`` and math-bound (at least
+   ``PAD_MIN_INTENSITY`` FLOP/byte) -> cuBLAS on zero-padded aligned copies (``kernel="padded"``,
+   :mod:`tritonmm.dispatch.padded`).
 6. everything else (below ``MIN_FLOPS``, batched, float32 with TF32, not in the table) -> cuBLAS.
 
-Forcing "torch" with kernel "padded" takes the padded path wherever a leading dimension is
-unaligned. Forcing "triton" skips rules 4-6 and picks the kernel by shape: persistent TMA for 2-D
-problems on Hopper (copying unaligned operands when large enough), split-K when small M
-leaves SMs idle, the pointer kernel otherwise. Under ``TRITON_INTERPRET=1`` CPU tensors
-always take that kernel choice, so CI runs the kernels themselves.
+Forcing "torch" with kernel "padded" takes the padded path wherever a leading dimension is unaligned. Forcing
+"triton" skips rules 4-6 and picks the kernel by shape: persistent TMA for 2-D problems on Hopper (copying
+unaligned operands when large enough), split-K when small M leaves SMs idle, the pointer kernel otherwise. Under
+``TRITON_INTERPRET=1`` CPU tensors always take that kernel choice, so CI runs the kernels themselves.
 
 :func:`torch_everywhere` answers, from sizes alone, whether every layout of a problem goes to
 torch.matmul: the per-call fast path (:mod:`tritonmm.api`) then calls torch directly.
@@ -31,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -51,9 +50,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_FLOPS = 2 * 128**3
 """FLOP below which a GEMM goes to cuBLAS: a launch from Python costs more than the math."""
 PAD_MIN_FLOPS = 2 * 2048**3
-"""FLOP from which unaligned 2-D problems take the padded path automatically. Its copies cost host
-time (three copy launches besides the GEMM); from this size on cuBLAS's unaligned GEMM takes longer
-than that (``benchmarks/h200.json``, tag ``odd``)."""
+"""FLOP from which unaligned 2-D problems take the padded path automatically. Its copies cost host time (three copy
+launches besides the GEMM); from this size on cuBLAS's unaligned GEMM takes longer (``benchmarks/h200.json``)."""
 TMA_COPY_MIN_FLOPS = 2 * 512**3
 """FLOP from which forced Triton copies unaligned operands for the TMA kernel (the pointer kernel below)."""
 PAD_MIN_INTENSITY = 256
@@ -88,10 +86,8 @@ class Decision:
     copies: tuple = field(default=())
 
     def __str__(self) -> str:
-        if self.backend == "torch":
-            what = "torch.matmul[padded]" if self.kernel == "padded" else "torch.matmul"
-        else:
-            what = f"triton[{self.kernel}]"
+        what = f"triton[{self.kernel}]" if self.backend != "torch" else \
+            "torch.matmul[padded]" if self.kernel == "padded" else "torch.matmul"
         extra = f", copies {'+'.join(self.copies)} to aligned buffers" if self.copies else ""
         cfg = f", config {self.config}" if self.config else ""
         return f"{what}: {self.reason}{extra}{cfg}"
@@ -150,9 +146,9 @@ def force_backend(backend: str = "triton", kernel: str = "auto", config: dict | 
         config: a config dict for ``kernel`` (fields of ``configs/candidates.json``; backend "triton"
             only); default: tuned/autotuned.
 
-    Forcing "triton" overrides the performance rules (size, tuned table), not the
-    capability rules: float64, or a CPU tensor outside the interpreter (``TRITON_INTERPRET=1``), still goes
-    to torch, with one UserWarning per such reason in a process.
+    Forcing "triton" overrides the performance rules (size, tuned table), not the capability rules: float64, or a
+    CPU tensor outside the interpreter (``TRITON_INTERPRET=1``), still goes to torch, with one UserWarning per such
+    reason in a process, at the first call it concerns.
 
     Raises:
         ValueError: unknown backend or kernel, a kernel or config the backend would ignore ("padded"
@@ -214,10 +210,9 @@ def forcing_as(state):
 
 def _capability(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the Triton kernels cannot serve this call at all, or None."""
-    if device.type == "cpu":
-        if not interpreting():
-            return "CPU tensors: the Triton kernels run on CUDA GPUs (or on CPU under TRITON_INTERPRET=1)"
-    elif device.type != "cuda":
+    if device.type == "cpu" and not interpreting():
+        return "CPU tensors: the Triton kernels run on CUDA GPUs (or on CPU under TRITON_INTERPRET=1)"
+    if device.type not in ("cpu", "cuda"):
         return f"device type {device.type!r} is not served by the Triton kernels"
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} is not supported by the Triton kernels (float16, bfloat16, float32 are)"
@@ -227,6 +222,20 @@ def _capability(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 _warned: set = set()  # the reasons a forced Triton backend fell to torch that were warned about
+_OWN_FRAMES = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__))
+
+
+def _torch_only(dtype: torch.dtype, device: torch.device, backend: str) -> str | None:
+    """:func:`_capability`'s reason, warned about once (at the user's line) where the backend is forced to Triton."""
+    why_not = _capability(dtype, device)
+    if why_not and backend == "triton" and why_not not in _warned:
+        _warned.add(why_not)
+        level, frame = 2, sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_OWN_FRAMES):
+            level, frame = level + 1, frame.f_back
+        warnings.warn(f"tritonmm: backend forced to triton, but torch serves this call and every call like it: "
+                      f"{why_not}", UserWarning, stacklevel=level)
+    return why_not
 
 
 def kernel_choice(plan: Plan, device: torch.device, want: str) -> tuple[str, str, tuple]:
@@ -264,12 +273,8 @@ def decide(plan: Plan, dtype: torch.dtype, device: torch.device) -> Decision:
         ValueError: a forcing environment variable holds an unknown value.
     """
     backend, kernel, config = forced()  # first: a bad environment value is reported for every call
-    why_not = _capability(dtype, device)
+    why_not = _torch_only(dtype, device, backend)
     if why_not:
-        if backend == "triton" and why_not not in _warned:
-            _warned.add(why_not)
-            warnings.warn(f"tritonmm: backend forced to triton, but torch serves this call and every call like it: "
-                          f"{why_not}", UserWarning, stacklevel=2)
         return Decision("torch", None, why_not)
     M, N, K, batch = plan.M, plan.N, plan.K, plan.batch
     if M == 0 or N == 0 or batch == 0:
@@ -362,7 +367,7 @@ def torch_everywhere(problems, dtype: torch.dtype, device: torch.device) -> bool
         ValueError: a forcing environment variable holds an unknown value.
     """
     backend, kernel, _ = forced()
-    if _capability(dtype, device):
+    if _torch_only(dtype, device, backend):
         return True
     if backend == "torch":
         return kernel != "padded"

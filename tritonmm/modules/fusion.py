@@ -297,7 +297,8 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
             cannot move (MLP biases, tensor subclasses, inference tensors, other tensors viewing them, memory
             torch did not allocate (numpy, DLPack, memory-mapped), CPU weights outside Triton's interpreter)
             stay where they are. A later ``.to()`` that moves the parameters unpacks them: call ``fuse`` again
-            to pack them. CUDA graphs captured before packing read the weights' old memory: capture them again. Packed weights share one storage, as do their gradients: safetensors' ``save_model`` /
+            to pack them. CUDA graphs captured before packing read the weights' old memory: capture them again.
+            Packed weights share one storage, as do their gradients: safetensors' ``save_model`` /
             ``load_model`` refuse that, and plain ``pickle`` (not ``torch.save``) writes the whole storage for
             each; :func:`unfuse` first, or ``pack=False``.
 

@@ -41,7 +41,8 @@ def parse_args(argv=None):
                    help="turns of the final alternating timing of the fastest candidate against torch.matmul, "
                         "which decides the backend (0: decide on the sweep's own times; default %(default)s)")
     p.add_argument("--out", type=pathlib.Path, default=None,
-                   help="output file, or a directory for the default name (default: configs/tuned/)")
+                   help="output file, or a directory for the default name (default: configs/tuned/); --redecide's table "
+                        "file (no default)")
     p.add_argument("--merge", action="store_true", help="keep entries of an existing table that this run does not measure")
     p.add_argument("--user", action="store_true",
                    help="write into this machine's table (TRITONMM_TUNED_DIR, default ~/.cache/tritonmm/tuned), "
@@ -59,7 +60,7 @@ def parse_args(argv=None):
                         "more than its route costs the host")
     p.add_argument("--redecide", action="store_true",
                    help="measure nothing: re-decide the entries of the table at --out from the measurements stored "
-                        "in it (e.g. with another --min-gain); needs no GPU")
+                        "in it (e.g. with another --min-gain); needs --out TABLE.json, no GPU")
     return p.parse_args(argv)
 
 
