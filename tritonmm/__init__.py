@@ -19,8 +19,6 @@ The package is layered as a call flows, each layer importing only from itself an
 (``python -m tritonmm.bench``, ``python -m tritonmm.stress``) over it (``tests/test_package_layout.py``).
 """
 
-from __future__ import annotations
-
 import sys as _sys
 
 from .api import clear_cache, explain, linear, matmul
