@@ -2,10 +2,11 @@
 kernels, swap-AB too, over a config grid wider than ``configs/candidates.json``'s, each config timed side by side
 with cuBLAS (``F.linear``), L2 flushed, as first-sight tuning times (:func:`tritonmm.core.timing._pair_times_ms`).
 Rows: the Llama-3-8B and TinyLlama projections a decode step reads (q/k/v packed, o, down, gate/up packed). The
-question it answers: whether a Triton kernel reads these weights closer to the HBM bandwidth than cuBLAS does (at
-M = 16, cuBLAS reads Llama-3-8B's down weight at about 2.8 TB/s and o's at 1.8 on an H200, ``benchmarks/h200.json``,
-timed after an L2 flush that leaves dirty lines in L2, which can be written back during the call; both contenders
-pay that here), which would make the memory-bound GEMMs of a CUDA-graph or compiled decode faster.
+question it answers: whether a Triton kernel reads these weights closer to the HBM bandwidth than cuBLAS does,
+which would make the memory-bound GEMMs of a CUDA-graph or compiled decode faster. ``benchmarks/h200.json`` bounds
+the answer: its ten Llama-3-8B cuBLAS times at 1 and 16 rows (L2 flushed) lie within 3 µs of 13 µs + bytes read /
+4.5 TB/s, so cuBLAS reads these weights at the bandwidth once the fixed time that any kernel pays here (the flush's
+dirty lines written back during the call, the launch) is set apart: a few µs per GEMM is left to win.
 
     PYTHONPATH=$PWD [SWEEP_SHAPES=a,b] python3 benchmarks/diagnostics/decode_gemm_sweep.py [SECONDS]
     (writes $OUT/decode_gemm_sweep.json; step decode_sweep of benchmarks/h200_run.sh)
