@@ -30,6 +30,8 @@
 #           grid of the pointer, split-K and TMA kernels (swap-AB too) against cuBLAS -> $OUT/decode_gemm_sweep.json
 #   replay_kernels  benchmarks/diagnostics/replay_kernels.py: a CUDA-graph replay of the 8B-sized forward (1 x 16 and
 #           1 x 128), off against fuse: wall time and each kernel's time -> $OUT/replay_kernels.json
+#   norm_prologue  benchmarks/diagnostics/norm_prologue_gemm.py: an RMSNorm folded into the GEMM after it, at decode
+#           sizes, against transformers' norm + cuBLAS, in CUDA graphs -> $OUT/norm_prologue_gemm.json
 #   mlp_parts  benchmarks/diagnostics/mlp_forward_parts.py: a LlamaMLP forward's time alone, back to back, on the host
 #           and per kernel -> $OUT/mlp_forward_parts.json
 set -uo pipefail
@@ -55,6 +57,7 @@ for step in "$@"; do
              2>&1 | grep -v "Warning\|warn(" ;;
     replay_kernels) T "${REPLAY_TIMEOUT:-240}" python3 benchmarks/diagnostics/replay_kernels.py ${REPLAY_ARGS:-} 2>&1 \
              | grep -v "Warning\|warn(" ;;
+    norm_prologue) T "${NORM_TIMEOUT:-240}" python3 benchmarks/diagnostics/norm_prologue_gemm.py 2>&1 | tail -20 ;;
     mlp_parts) T "${PARTS_TIMEOUT:-300}" python3 benchmarks/diagnostics/mlp_forward_parts.py 2>&1 | grep -v "Warning\|warn(" ;;
     prefill_ab) T "${AB_TIMEOUT:-400}" python3 benchmarks/diagnostics/prefill_packed_ab.py ${AB_ARGS:-} 2>&1 | tail -10 ;;
     tests) T "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \
