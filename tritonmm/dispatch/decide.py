@@ -51,7 +51,7 @@ MIN_FLOPS = 2 * 128**3
 """FLOP below which a GEMM goes to cuBLAS: a launch from Python costs more than the math."""
 PAD_MIN_FLOPS = 2 * 2048**3
 """FLOP from which unaligned 2-D problems take the padded path automatically. Its copies cost host time (three copy
-launches besides the GEMM); from this size on cuBLAS's unaligned GEMM takes longer (``benchmarks/h200.json``)."""
+launches besides the GEMM); from this size on cuBLAS's unaligned GEMM takes longer (``h200.json``, tag ``odd``)."""
 TMA_COPY_MIN_FLOPS = 2 * 512**3
 """FLOP from which forced Triton copies unaligned operands for the TMA kernel (the pointer kernel below)."""
 PAD_MIN_INTENSITY = 256
@@ -222,7 +222,7 @@ def _capability(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 _warned: set = set()  # the reasons a forced Triton backend fell to torch that were warned about
-_OWN_FRAMES = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__))
+_OWN_FRAMES = tuple(os.path.dirname(p) + os.sep for p in (os.path.dirname(os.path.abspath(__file__)), torch.__file__))
 
 
 def _torch_only(dtype: torch.dtype, device: torch.device, backend: str) -> str | None:
