@@ -78,8 +78,12 @@ def main():
     for seq in seqs:
         ids = _tokens(model.config.vocab_size, 1, seq, device)
         graphs = {}
-        for m in ("off", "fuse", "off_again"):
-            with mode("off" if m == "off_again" else m, model), torch.no_grad():
+        for m in ("off", "fuse", "fuse_unfolded", "off_again"):
+            with mode({"off_again": "off", "fuse_unfolded": "fuse"}.get(m, m), model), torch.no_grad():
+                if m == "fuse_unfolded":  # fuse without its RMSNorm folded into the MLP's gated kernel
+                    for layer in model.modules():
+                        if "_tritonmm_folds" in type(layer).__dict__:
+                            layer.__class__ = type(layer)._tritonmm_fused_base
                 graphs[m] = _capture(lambda: model(ids, use_cache=False).logits)
         row = {"batch": 1, "seq": seq}
         for _ in range(3):  # modes alternated, medians kept per mode
@@ -98,8 +102,10 @@ def main():
             for k in ks[:16]:
                 print(f"    {k['us']:8.1f} µs {k['calls']:5.1f}x  {k['name'][:110]}", flush=True)
         row["fuse_ratio"] = round(row["off_wall_us"] / row["fuse_wall_us"], 4)
+        row["fuse_unfolded_ratio"] = round(row["off_wall_us"] / row["fuse_unfolded_wall_us"], 4)
         row["control_ratio"] = round(row["off_wall_us"] / row["off_again_wall_us"], 4)
-        print(f"1 x {seq}: off / fuse {row['fuse_ratio']:.3f}, off / off again {row['control_ratio']:.3f}", flush=True)
+        print(f"1 x {seq}: off / fuse {row['fuse_ratio']:.3f}, off / fuse unfolded {row['fuse_unfolded_ratio']:.3f}, "
+              f"off / off again {row['control_ratio']:.3f}", flush=True)
         out["rows"].append(row)
         del graphs
         torch.cuda.empty_cache()

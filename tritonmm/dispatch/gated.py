@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..core import activations
 from ..core import device as _device
+from ..core import modes
 from . import gated_cublas, gated_tuning, runners
 
 GATED_MAX_M = 16
@@ -57,6 +58,7 @@ _empty = torch.empty  # the kernels' output allocator (tests swap in a NaN-filli
 _precision = torch.get_float32_matmul_precision  # (float32 launchers: TF32 or not, fixed when built)
 _F32 = torch.float32
 _grad_enabled = torch.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
 _cublas_forward = gated_cublas.forward
 
 
@@ -261,7 +263,88 @@ def replay(x, wg, wu, bg, bu, activation):
     return run
 
 
+def norm_forward(x: Tensor, norm_weight: Tensor, eps: float, w_gate: Tensor, w_up: Tensor, b_gate, b_up,
+                 activation: str) -> Optional[Tensor]:
+    """``gated_linear(norm(x), ...)`` without autograd for the RMSNorm ``norm`` (transformers' ``LlamaRMSNorm``:
+    ``norm_weight``, ``eps``) as one launch of the pointer kernel with the norm in its loads, for a geometry whose
+    gated linear that kernel already serves (its launcher built and decided, on up to :data:`GATED_MAX_M` rows):
+    the same config. Operands as :func:`~tritonmm.ops.gated_args.kernel_shaped` takes them (the caller checks).
+    None where it does not serve (not built yet, the torch expression, another path, autocast, a mode, a failed
+    launch): the caller normalizes ``x`` and calls the gated linear."""
+    from ..kernels.gated_launchers import gated_launcher
+    from ..kernels.launch import LAUNCH_FAILURES
+
+    tensors = (x, w_gate, w_up, b_gate, b_up, norm_weight)
+    if _any_autocast() or not modes.eager() or not modes.plain(*tensors) or modes.torch_only(*tensors) \
+            or _grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return None
+    K, N = x.shape[-1], w_gate.shape[0]
+    M = x.numel() // K if K else 0
+    if not 0 < M <= GATED_MAX_M or norm_weight.dtype != x.dtype or norm_weight.shape != (K,) \
+            or norm_weight.stride(0) != 1 or norm_weight.device != x.device:
+        return None
+    x2 = x.reshape(M, K)
+    if x2.stride(-1) != 1 and K != 1:
+        return None
+    w_gate, w_up = _unit_last(w_gate), _unit_last(w_up)
+    key = _launcher_key("pointer", x2, w_gate, w_up, b_gate, b_up, False, activation, None)
+    nkey = (key, eps, norm_weight.data_ptr() % 16 == 0)
+    launch = _norm_launchers.get(nkey)
+    if launch is None:
+        plain = _launchers.get(key)
+        config = getattr(plain, "state", {}).get("config")  # (None: not built, torch, failed, or not yet tuned)
+        if config is None:
+            return None
+        bias_strides = None if b_gate is None else (b_gate.stride(0), b_up.stride(0))
+        launch = gated_launcher("pointer", M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0), x.dtype, x.device,
+                                bias_strides, False, activation, config, norm_eps=eps)
+        if len(_norm_launchers) >= _LAUNCHERS_MAX:
+            _norm_launchers.clear()
+        _norm_launchers[nkey] = launch
+    elif launch is _TORCH:
+        return None
+    out = _empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    try:
+        launch(x2, w_gate, w_up, b_gate, b_up, out.view(M, N), None, None, norm_weight)
+    except LAUNCH_FAILURES as e:
+        _norm_launchers[nkey] = _TORCH
+        warnings.warn(f"tritonmm: the gated kernel with the RMSNorm in its loads failed ({type(e).__name__}: {e}); "
+                      "the norm runs as its module for this geometry", runners.KernelFailedWarning, stacklevel=3)
+        return None
+    return out
+
+
+def norm_replay(x: Tensor, norm_weight: Tensor, eps: float, w_gate: Tensor, w_up: Tensor, b_gate, b_up,
+                activation: str):
+    """A replay of the :func:`norm_forward` call just served, ``(x, wg, wu, bg, bu, nw) -> h``, for later calls of
+    its geometry (shapes, strides, dtypes, devices and alignments, which the caller's key fixes): its launcher bound,
+    x and h read in place; None where none was built or the operands are not read in place."""
+    K, N = x.shape[-1], w_gate.shape[0]
+    M = x.numel() // K if K else 0
+    x2 = x.reshape(M, K)
+    if x2.data_ptr() != x.data_ptr() or x2.stride(-1) != 1 or w_gate.stride(-1) != 1 or w_up.stride(-1) != 1:
+        return None
+    key = _launcher_key("pointer", x2, w_gate, w_up, b_gate, b_up, False, activation, None)
+    launch = _norm_launchers.get((key, eps, norm_weight.data_ptr() % 16 == 0))
+    if launch is None or launch is _TORCH:
+        return None
+    shape, dtype, device = (*x.shape[:-1], N), x.dtype, x.device
+
+    def run(x, wg, wu, bg, bu, nw):
+        h = _empty(shape, dtype=dtype, device=device)  # contiguous: (M, N) in memory; x (M, K) rows at its stride
+        launch(x, wg, wu, bg, bu, h, None, None, nw)
+        return h
+    return run
+
+
+_norm_launchers: dict = {}
+norm_runs: dict = {}
+"""A caller's fast-path key -> :func:`norm_replay` of its geometry (kept by the caller, cleared with the launchers)."""
+
+
 def clear_cache() -> None:
-    """Forget the gated launchers and the product kernels' launchers."""
+    """Forget the gated launchers (with the RMSNorm too) and the product kernels' launchers."""
     _launchers.clear()
+    _norm_launchers.clear()
+    norm_runs.clear()
     gated_cublas.clear_cache()

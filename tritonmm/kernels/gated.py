@@ -5,6 +5,10 @@ both, with two fp32 accumulators; the epilogue adds the biases, applies the acti
 multiplies by the up projection, rounding where the eager expression rounds, so neither projection
 is written to memory unless the backward needs them (``SAVE``: both stored). Both weights are (N, K) nn.Linear weights read in place through their own pointers.
 
+The pointer kernel can also take the RMSNorm that produced X (``NORM``, transformers' ``LlamaRMSNorm``: X / rms(X)
+times a weight): a first loop over K sums each row's squares, the GEMM loop then loads X normalized and rounded where
+that module rounds (``round(w * round(x * rsqrt(mean(x^2) + eps)))``), so the norm's output is never written.
+
 Two families, as for the plain GEMM: the pointer kernel (any M, masked; small-M tiles) and the
 persistent TMA kernel (Hopper and newer; Triton tutorial 09's loop over output tiles).
 """
@@ -38,16 +42,32 @@ def _gated_epilogue(acc_g, acc_u, offs_m, offs_n, M, N, bg_ptr, bu_ptr, stride_b
 
 
 @triton.jit
+def _row_rstd(x_ptrs, offs_k, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of each of the tile's rows over all K, in fp32 (the RMSNorm's scale)."""
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+        else:
+            x = tl.load(x_ptrs, mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, axis=1)
+        x_ptrs += BLOCK_K
+    return 1.0 / tl.sqrt(squares / K + eps)
+
+
+@triton.jit
 def _gated_kernel(
     x_ptr,  # (M, K), unit column stride
     wg_ptr, wu_ptr,  # (N, K) each, unit column stride
     bg_ptr, bu_ptr,  # (N,) each, or dummies when HAS_BIAS is False
     h_ptr, g_ptr, u_ptr,  # (M, N) contiguous; g and u are dummies unless SAVE
+    nw_ptr,  # (K,), unit stride: the RMSNorm's weight, or a dummy unless NORM
     M, N, K, stride_xm, stride_wg, stride_wu, stride_bg, stride_bu,
+    eps,  # the RMSNorm's epsilon (read only with NORM)
     M_BUCKET, N_BUCKET, K_BUCKET,  # autotune key only
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INT64: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE: tl.constexpr,
-    ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NORM: tl.constexpr,
 ):
     pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -64,6 +84,9 @@ def _gated_kernel(
     x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + offs_k[None, :]
     wg_ptrs = wg_ptr + offs_wn[None, :] * stride_wg + offs_k[:, None]
     wu_ptrs = wu_ptr + offs_wn[None, :] * stride_wu + offs_k[:, None]
+    if NORM:
+        rstd = _row_rstd(x_ptrs, offs_k, K, eps, BLOCK_M, BLOCK_K, EVEN_K)
+        nw_ptrs = nw_ptr + offs_k
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -76,6 +99,11 @@ def _gated_kernel(
             x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             wg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             wu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if NORM:  # transformers' LlamaRMSNorm: x / rms in fp32, rounded, times the weight, rounded
+            nw = tl.load(nw_ptrs, mask=offs_k < K - k * BLOCK_K, other=0.0)
+            xn = _to_output(x.to(tl.float32) * rstd[:, None], x.dtype, UPCAST)
+            x = _to_output(nw.to(tl.float32)[None, :] * xn.to(tl.float32), x.dtype, UPCAST)
+            nw_ptrs += BLOCK_K
         if UPCAST:  # the interpreter multiplies bfloat16 bit patterns (triton-lang/triton#11584)
             x = x.to(tl.float32)
             wg = wg.to(tl.float32)

@@ -107,8 +107,8 @@ def fixed_config(kernel: str, config, M, N, K, dtype, device):
 
 def gated_launcher(kernel: str, M: int, N: int, K: int, stride_x: int, stride_wg: int, stride_wu: int,
                    dtype: torch.dtype, device: torch.device, bias_strides=None, save: bool = False,
-                   activation: str = "silu", config=None):
-    """A launcher ``(x, wg, wu, bg, bu, h, g, u) -> None`` of one gated kernel for one geometry.
+                   activation: str = "silu", config=None, norm_eps=None):
+    """A launcher ``(x, wg, wu, bg, bu, h, g, u, nw=None) -> None`` of one gated kernel for one geometry.
 
     Args:
         kernel: "pointer" or "tma" (16-byte aligned bases and row strides, sm_90+).
@@ -118,11 +118,15 @@ def gated_launcher(kernel: str, M: int, N: int, K: int, stride_x: int, stride_wg
         save: also store G and U (for the backward).
         activation: one of :data:`tritonmm.core.activations.ACTIVATIONS` but "none".
         config: a gated config (see the module docstring); default: autotuned on first launch.
+        norm_eps: the pointer kernel only: X is an RMSNorm's input, normalized in the kernel with this epsilon and
+            the (K,) weight ``nw`` each launch takes (``NORM`` in :mod:`.gated`); None: X as it is.
     """
+    if norm_eps is not None and kernel != "pointer":
+        raise ValueError(f"the {kernel} gated kernel takes no RMSNorm; the pointer kernel does")
     state = {"config": fixed_config(kernel, config, M, N, K, dtype, device)}
     sms = _device.num_sms(device)
-    ints = (M, N, K, stride_x, stride_wg, stride_wu, *(bias_strides or (0, 0)),
-            _cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K))
+    strides = (M, N, K, stride_x, stride_wg, stride_wu, *(bias_strides or (0, 0)))
+    buckets = (_cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K))
     meta = dict(HAS_BIAS=bias_strides is not None, SAVE=save, ACTIVATION=activation,
                 INPUT_PRECISION=input_precision(dtype, device), UPCAST=interpreting() and dtype == torch.bfloat16)
     if kernel == "tma":
@@ -130,7 +134,9 @@ def gated_launcher(kernel: str, M: int, N: int, K: int, stride_x: int, stride_wg
         fn = _gated_tma_kernel
     else:
         meta["INT64"] = needs_int64((M, K, stride_x, 1), (N, K, max(stride_wg, stride_wu), 1), (M, N, N, 1))
+        meta["NORM"] = norm_eps is not None
         fn = _gated_kernel
+    eps = 0.0 if norm_eps is None else float(norm_eps)
 
     def grid(META):
         tiles = triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])
@@ -138,12 +144,15 @@ def gated_launcher(kernel: str, M: int, N: int, K: int, stride_x: int, stride_wg
 
     direct = None
 
-    def launch(x, wg, wu, bg, bu, h, g, u):
+    def launch(x, wg, wu, bg, bu, h, g, u, nw=None):
         nonlocal direct
+        head = (x, wg, wu, h if bg is None else bg, h if bu is None else bu, h, h if g is None else g,
+                h if u is None else u)
         if kernel == "tma":
             ensure_allocator()
-        args = (x, wg, wu, h if bg is None else bg, h if bu is None else bu, h, h if g is None else g,
-                h if u is None else u, *ints)
+            args = (*head, *strides, *buckets)
+        else:
+            args = (*head, h if nw is None else nw, *strides, eps, *buckets)
         if direct is not None:
             direct(args)
             return

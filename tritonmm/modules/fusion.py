@@ -23,6 +23,9 @@
 * **Attention projections** (Llama, Mistral, Qwen2, Qwen3): where ``q_proj``, ``k_proj`` and ``v_proj``
   read the attention's hidden states, their packed weights run as one cuBLAS GEMM while a CUDA graph of an
   inference forward is captured (:mod:`tritonmm.modules.qkv`); with ``pack=False`` attentions are not fused.
+* **RMSNorm into the MLP**: a decoder layer that passes an RMSNorm's output straight to a fused MLP (Llama-family
+  layers) has the norm computed in the gated kernel's loads in inference calls of up to 16 rows
+  (:mod:`tritonmm.modules.norm_fold`).
 
 Like :func:`tritonmm.swap_linear`, ``fuse`` changes the module's class in place to a subclass, so
 parameters, ``state_dict``, hooks, tied weights and ``isinstance`` are untouched. By default it also
@@ -46,16 +49,20 @@ from torch import nn
 from torch.fx import Proxy as _Proxy
 
 from ..api import linear, torch_planned
+from ..core import modes
 from ..core.modes import PLAIN
-from ..dispatch.gated import torch_serves
+from ..dispatch.gated import norm_forward, norm_replay, torch_serves
+from ..dispatch.gated import norm_runs as _norm_runs
 from ..dispatch.gated_cublas import serves
 from ..ops.gated import gated_linear
 from ..ops.gated_mlp import gated_mlp
-from . import packing, qkv
+from ..ops.gated import _fast_key
+from ..ops.gated_args import kernel_shaped
+from . import norm_fold, packing, qkv
 from .linear import _original_forward, _settled_forward, reduce_as_base, require_module, settle, settled_class, \
     subclassable
 from .plain import MISSING as _MISSING
-from .plain import MODULE_CALL as _MODULE_CALL
+from .plain import activation_name
 from .plain import any_hooked as _any_hooked
 from .plain import global_hooks as _global_hooks
 from .plain import linear_type as _linear_type
@@ -78,39 +85,6 @@ def _code_form(fn) -> tuple | None:
 
 
 _FORMS = {_code_form(_llama_mlp_forward), _code_form(_llama_mlp_forward_return)}
-
-
-_SIMPLE = {nn.SiLU: "silu", nn.ReLU: "relu"}
-_FORWARDS = {t: t.forward for t in (nn.SiLU, nn.ReLU, nn.GELU)}  # an activation's forward when first seen
-
-
-def _activation_kind(act, t) -> Optional[str]:
-    simple = _SIMPLE.get(t)
-    if simple is not None:
-        return simple
-    if t is nn.GELU:
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
-    if t.__module__ == "transformers.activations":
-        inner = getattr(act, "act", None)
-        if t.__name__ == "SiLUActivation":
-            _SIMPLE[t] = "silu"  # stateless: remembered by type
-            return "silu"
-        if t.__name__ == "GELUActivation" and inner is F.gelu:
-            return "gelu"
-        if t.__name__ in ("GELUTanh", "PytorchGELUTanh") and getattr(inner, "func", None) is F.gelu \
-                and getattr(inner, "keywords", None) == {"approximate": "tanh"}:
-            return "gelu_tanh"
-    return None
-
-
-def activation_name(act) -> Optional[str]:
-    """The epilogue name of an activation module, or None when the fused kernels cannot apply it (an
-    unknown module, or a known class whose ``forward`` or ``__call__`` was replaced since first seen)."""
-    t = type(act)
-    name = _activation_kind(act, t)
-    if name is None or t.forward is not _FORWARDS.setdefault(t, t.forward) or t.__call__ is not _MODULE_CALL:
-        return None
-    return name
 
 
 def _plain_params(weight, bias) -> bool:
@@ -139,18 +113,22 @@ def fusable(module: nn.Module) -> bool:
     """Whether ``module`` has a pattern :func:`fuse` fuses (see the module docstring). An attention is fused
     only where ``fuse`` can pack its q, k and v weights (``pack=True``, weights :func:`tritonmm.modules.qkv.pack`
     takes)."""
-    if "_tritonmm_fused_base" in type(module).__dict__ or not subclassable(type(module)):
+    if "_tritonmm_fused_base" in type(module).__dict__:
         return False
-    return _gated_mlp(module) or _linear_activation_pairs(module) or qkv.fusable(module)
+    return subclassable(type(module)) and (_gated_mlp(module) or _linear_activation_pairs(module)
+                                           or qkv.fusable(module)) or norm_fold.foldable(module)
 
 
 def _kind(cls: type) -> Optional[str]:
-    """What a fused class fuses: "mlp", "attention" or "sequential"; None for other classes."""
+    """What a fused class fuses: "mlp", "attention", "sequential" or "layer" (a norm folded into its MLP); None for
+    other classes."""
     if "_tritonmm_fused_base" not in cls.__dict__:  # (a settled fused Sequential's class carries the mark too)
         return None
     forward = cls.forward
     if forward is _fused_forward:
         return "mlp"
+    if "_tritonmm_folds" in cls.__dict__:
+        return "layer"
     return "attention" if getattr(forward, "_tritonmm_qkv", False) else "sequential"
 
 
@@ -173,7 +151,45 @@ def _unbiased_weight(up):
     return _param(up, "weight", None) if _param(up, "bias", None) is None else None
 
 
+def _folded(self, x, pending):
+    """The MLP on the norm's input ``x`` with ``pending``'s RMSNorm in the gated kernel's loads
+    (:mod:`tritonmm.modules.norm_fold`), or None where that kernel does not serve it."""
+    mods = self._modules
+    gate, up, act, down = mods.get("gate_proj"), mods.get("up_proj"), mods.get("act_fn"), mods.get("down_proj")
+    name = activation_name(act)
+    if name is None or not (_linear_type(gate) and _linear_type(up) and _linear_type(down)) \
+            or type(down).forward not in _TORCH_LINEAR_FORWARDS or _any_hooked(gate, up, act, down):
+        return None
+    (wg, bg), (wu, bu), (wd, bd) = ((_param(m, "weight"), _param(m, "bias")) for m in (gate, up, down))
+    nw, eps = _param(pending.norm, "weight"), pending.norm.variance_epsilon
+    try:  # (the gated linear's fast-path key: modes, gradients, shapes, strides, dtypes, devices, alignments)
+        key = _fast_key(x, wg, wu, bg, bu, name)
+        key = key and (key, type(nw), nw.shape, nw.stride(), nw.dtype, nw.device, nw.data_ptr() & 15, eps)
+    except (AttributeError, RuntimeError, TypeError):
+        key = None
+    run = _norm_runs.get(key) if key and not _grad_enabled() else None
+    if run is not None and _plain_params(wd, bd):
+        return _F_linear(run(x, wg, wu, bg, bu, nw), wd, bd)
+    if not (_plain_params(wg, bg) and _plain_params(wu, bu) and _plain_params(wd, bd)
+            and kernel_shaped(x, wg, wu, bg, bu)):
+        return None
+    h = norm_forward(x, nw, eps, wg, wu, bg, bu, name)
+    if h is not None and key and not _grad_enabled() and modes.plain(wg, wu, bg, bu, nw):
+        run = norm_replay(x, nw, eps, wg, wu, bg, bu, name)
+        if run is not None:
+            if len(_norm_runs) >= 1024:
+                _norm_runs.clear()
+            _norm_runs[key] = run
+    return None if h is None else _F_linear(h, wd, bd)
+
+
 def _fused_forward(self, x):
+    pending = norm_fold.take(self, x) if "_tritonmm_norm" in self.__dict__ else None
+    if pending is not None:  # x is a folding layer's norm's input (norm_fold)
+        y = _folded(self, x, pending)
+        if y is not None:
+            return y
+        x = pending.normalize(x)
     mods = self._modules
     gate, up, act, down = mods.get("gate_proj"), mods.get("up_proj"), mods.get("act_fn"), mods.get("down_proj")
     if not isinstance(x, _Proxy) and gate is not None and up is not None and down is not None:  # (fx records modules)
@@ -268,8 +284,9 @@ def _fused_reduce_ex(self, protocol):
 def _fused_class(cls: type) -> type:
     if cls not in _fused_classes:
         sequential = cls.forward is nn.Sequential.forward
-        attrs = {"forward": _fused_sequential_forward} if sequential else {"forward": _fused_forward} \
-            if _code_form(cls.forward) in _FORMS else qkv.fused_attributes(cls)
+        attrs = {"forward": _fused_sequential_forward} if sequential else \
+            {"forward": _fused_forward, "_tritonmm_takes_norm": True} if _code_form(cls.forward) in _FORMS else \
+            norm_fold.attributes() if norm_fold.fold_pairs(cls) else qkv.fused_attributes(cls)
         fused = _fused_classes[cls] = type(
             f"TritonFused{cls.__name__}", (cls,),
             {**attrs, "_tritonmm_fused_base": cls, "__module__": __name__, "__reduce_ex__": _fused_reduce_ex})
@@ -281,15 +298,16 @@ def _fused_class(cls: type) -> type:
 def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
          pack: bool = True) -> nn.Module:
     """Fuse, in place, every gated MLP of ``model`` (gate and up as one GEMM), every Linear directly
-    followed by a known activation module in an ``nn.Sequential`` (the activation in the GEMM's epilogue)
-    and, with ``pack``, every attention whose q, k and v projections read its hidden states (one GEMM
-    while a CUDA graph of an inference forward is captured, :mod:`tritonmm.modules.qkv`).
+    followed by a known activation module in an ``nn.Sequential`` (the activation in the GEMM's epilogue),
+    every decoder layer's RMSNorm before a fused MLP (:mod:`tritonmm.modules.norm_fold`) and, with ``pack``,
+    every attention whose q, k and v projections read its hidden states (one GEMM while a CUDA graph of an
+    inference forward is captured, :mod:`tritonmm.modules.qkv`).
 
     Args:
         model: any module tree (the root included).
-        filter_fn: ``(module, fully_qualified_name) -> bool``, asked once for each MLP, attention or
-            Sequential that qualifies (:func:`fusable`) and, with ``pack``, each MLP or attention fused
-            already; default: all of them.
+        filter_fn: ``(module, fully_qualified_name) -> bool``, asked once for each MLP, attention,
+            Sequential or decoder layer that qualifies (:func:`fusable`) and, with ``pack``, each MLP or attention
+            fused already; default: all of them.
         pack: also store each fused MLP's gate and up weights in one allocation, gate first, and each
             attention's q, k and v weights (and biases, where all three have one) in one allocation, in that
             order (:mod:`tritonmm.modules.packing`: the same parameters, values and memory), so that calls that take
@@ -330,6 +348,9 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
             pair = _gate_up(module) if pack and type(module).forward is _fused_forward else None
             if pair:
                 packing.pack(*pair, accept=serves)
+    for fqn, module in model.named_modules():  # (after the MLPs: a layer folds its norm into a fused one)
+        if _kind(type(module)) is None and norm_fold.foldable(module) and (filter_fn is None or filter_fn(module, fqn)):
+            module.__class__ = _fused_class(type(module))
     return model
 
 

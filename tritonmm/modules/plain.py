@@ -1,8 +1,12 @@
 """Which modules the fusions may look through: nn.Linear modules running torch's forward (or tritonmm's),
-called as modules are called, and whether hooks are registered where a fusion would skip a call."""
+called as modules are called, activation modules the kernels' epilogues apply, and whether hooks are registered
+where a fusion would skip a call."""
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
@@ -60,3 +64,36 @@ def param(m, name, default=MISSING):
     if p is not MISSING:
         return p
     return getattr(m, name) if default is MISSING else getattr(m, name, default)
+
+
+_SIMPLE = {nn.SiLU: "silu", nn.ReLU: "relu"}
+_FORWARDS = {t: t.forward for t in (nn.SiLU, nn.ReLU, nn.GELU)}  # an activation's forward when first seen
+
+
+def _activation_kind(act, t) -> Optional[str]:
+    simple = _SIMPLE.get(t)
+    if simple is not None:
+        return simple
+    if t is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+    if t.__module__ == "transformers.activations":
+        inner = getattr(act, "act", None)
+        if t.__name__ == "SiLUActivation":
+            _SIMPLE[t] = "silu"  # stateless: remembered by type
+            return "silu"
+        if t.__name__ == "GELUActivation" and inner is F.gelu:
+            return "gelu"
+        if t.__name__ in ("GELUTanh", "PytorchGELUTanh") and getattr(inner, "func", None) is F.gelu \
+                and getattr(inner, "keywords", None) == {"approximate": "tanh"}:
+            return "gelu_tanh"
+    return None
+
+
+def activation_name(act) -> Optional[str]:
+    """The epilogue name of an activation module, or None when the fused kernels cannot apply it (an
+    unknown module, or a known class whose ``forward`` or ``__call__`` was replaced since first seen)."""
+    t = type(act)
+    name = _activation_kind(act, t)
+    if name is None or t.forward is not _FORWARDS.setdefault(t, t.forward) or t.__call__ is not MODULE_CALL:
+        return None
+    return name

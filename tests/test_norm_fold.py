@@ -1,0 +1,151 @@
+"""An RMSNorm folded into the fused MLP's gated kernel (tritonmm.modules.norm_fold): values against float64, when
+it folds and when the layer runs as it is, the state it leaves, the layers it recognises."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+import tritonmm
+from tritonmm.modules import fusion, norm_fold
+
+transformers = pytest.importorskip("transformers")
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.interpreter if not HAS_CUDA else pytest.mark.gpu
+
+
+def _model(device, dtype, hidden=64, inter=96):
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:  # (ones would hide a weight read wrongly)
+                p.copy_(torch.rand_like(p) + 0.5)
+    return model.to(device=device, dtype=dtype)
+
+
+@pytest.fixture
+def folds(monkeypatch):
+    """Counts the MLP calls served with the norm in the gated kernel."""
+    served = []
+    tritonmm.clear_cache()  # (each test sees its geometry's first call)
+
+    folded = fusion._folded
+
+    def spy(*args, **kwargs):
+        out = folded(*args, **kwargs)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fusion, "_folded", spy)
+    return served
+
+
+def _dtypes():
+    return [torch.bfloat16, torch.float16] if HAS_CUDA else [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("batch", [1, 5, 16])
+def test_decode_logits_against_float64(batch, dtype, device, folds):
+    model = _model(device, dtype)
+    ref_model = copy.deepcopy(model).double()
+    ids = torch.randint(0, 128, (batch, 1), device=device)
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+        off_err = (model(ids).logits.double() - ref).abs().max().item()
+        tritonmm.fuse(model)
+        assert type(model.model.layers[0]).__dict__.get("_tritonmm_folds")
+        outs = [model(ids).logits for _ in range(3)]
+    assert folds == [False] + [True] * 5  # two layers (of one geometry) in three calls; the first builds the launcher
+    for out in outs:
+        assert not out.isnan().any()
+        err = (out.double() - ref).abs().max().item()
+        assert err <= 2 * off_err + 1e-6, (err, off_err)
+
+
+def test_runs_as_it_is_with_autograd_more_rows_or_hooks(device, folds):
+    model = tritonmm.fuse(_model(device, _dtypes()[0]))
+    layer = model.model.layers[0]
+    x = torch.randn(2, 1, 64, device=device, dtype=_dtypes()[0])
+    kwargs = dict(position_embeddings=model.model.rotary_emb(x, torch.zeros(2, 1, dtype=torch.long, device=device)))
+    with torch.no_grad():
+        for _ in range(2):
+            layer(x, **kwargs)
+    assert folds == [False, True]
+    folds.clear()
+    layer(x, **kwargs)  # autograd
+    with torch.no_grad():
+        big = torch.randn(1, 17, 64, device=device, dtype=x.dtype)
+        big_kwargs = dict(position_embeddings=model.model.rotary_emb(big, torch.arange(17, device=device)[None]))
+        layer(big, **big_kwargs)
+        seen = []
+        handle = layer.post_attention_layernorm.register_forward_hook(lambda m, i, o: seen.append(o))
+        layer(x, **kwargs)
+        handle.remove()
+    assert folds == [] and len(seen) == 1
+    assert not torch.equal(seen[0], x)  # the hook saw the norm's output, not its input
+
+
+def test_leaves_no_state_and_the_norm_alone_still_normalizes(device, folds, monkeypatch):
+    model = tritonmm.fuse(_model(device, _dtypes()[0]))
+    layer = model.model.layers[0]
+    norm, mlp = layer.post_attention_layernorm, layer.mlp
+    x = torch.randn(1, 1, 64, device=device, dtype=_dtypes()[0])
+    kwargs = dict(position_embeddings=model.model.rotary_emb(x, torch.zeros(1, 1, dtype=torch.long, device=device)))
+    with torch.no_grad():
+        layer(x, **kwargs)
+        assert "forward" not in norm.__dict__ and "_tritonmm_norm" not in mlp.__dict__
+        expected = type(norm).forward(norm, x)
+        assert torch.equal(norm(x), expected) and not torch.equal(expected, x)
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(type(layer.self_attn), "forward", boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            layer(x, **kwargs)
+    assert "forward" not in norm.__dict__ and "_tritonmm_norm" not in mlp.__dict__
+
+
+def test_unfuse_pickle_and_filter(device, folds):
+    model = tritonmm.fuse(_model(device, _dtypes()[0]))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded.model.layers[1]).__dict__.get("_tritonmm_folds")
+    tritonmm.unfuse(model)
+    assert type(model.model.layers[0]) is transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    tritonmm.fuse(model, filter_fn=lambda m, name: not name.endswith("layers.0"))
+    assert not type(model.model.layers[0]).__dict__.get("_tritonmm_folds")
+    assert type(model.model.layers[1]).__dict__.get("_tritonmm_folds")
+
+
+class _TwiceRead(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.norm, self.mlp = inner.post_attention_layernorm, inner.mlp
+
+    def forward(self, x):
+        h = self.norm(x)
+        h = self.mlp(h)
+        return h
+
+
+class _OutputKept(_TwiceRead):
+    def forward(self, x):
+        h = self.norm(x)
+        y = self.mlp(h)
+        return y + h
+
+
+def test_only_layers_that_pass_the_norm_straight_to_the_mlp_fold(device):
+    inner = _model(device, _dtypes()[0]).model.layers[0]
+    assert norm_fold.fold_pairs(type(inner)) == (("mlp", "post_attention_layernorm"),)
+    assert norm_fold.fold_pairs(_TwiceRead) == (("mlp", "norm"),)
+    assert norm_fold.fold_pairs(_OutputKept) == ()
+    kept = tritonmm.fuse(_OutputKept(inner))
+    assert not type(kept).__dict__.get("_tritonmm_folds")
