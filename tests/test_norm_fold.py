@@ -26,6 +26,20 @@ def _model(device, dtype, hidden=64, inter=96):
     return model.to(device=device, dtype=dtype)
 
 
+@pytest.fixture(autouse=True)
+def fold_on(monkeypatch):
+    monkeypatch.setattr(norm_fold, "FOLD", True)
+
+
+def test_fuse_folds_only_with_fold_on(device, monkeypatch):
+    monkeypatch.setattr(norm_fold, "FOLD", False)
+    model = tritonmm.fuse(_model(device, _dtypes()[0]))
+    assert type(model.model.layers[0].mlp).__dict__.get("_tritonmm_takes_norm")
+    assert not type(model.model.layers[0]).__dict__.get("_tritonmm_folds")
+    monkeypatch.setattr(norm_fold, "FOLD", True)
+    assert type(tritonmm.fuse(model).model.layers[0]).__dict__.get("_tritonmm_folds")
+
+
 @pytest.fixture
 def folds(monkeypatch):
     """Counts the MLP calls served with the norm in the gated kernel."""
@@ -149,3 +163,67 @@ def test_only_layers_that_pass_the_norm_straight_to_the_mlp_fold(device):
     assert norm_fold.fold_pairs(_OutputKept) == ()
     kept = tritonmm.fuse(_OutputKept(inner))
     assert not type(kept).__dict__.get("_tritonmm_folds")
+
+
+class _NormTwice(torch.nn.Module):  # the folded norm also runs earlier in the forward
+    def __init__(self, inner):
+        super().__init__()
+        self.norm, self.mix, self.mlp = inner.post_attention_layernorm, torch.nn.Linear(64, 64), inner.mlp
+
+    def forward(self, x):
+        h = self.norm(x)
+        x = x + self.mix(h)
+        h = self.norm(x)
+        h = self.mlp(h)
+        return x + h
+
+
+def _unfused_and_fused(model):
+    ref = copy.deepcopy(model)
+    return ref, tritonmm.fuse(model)
+
+
+def test_other_calls_of_the_norm_during_the_layer_normalize(device, folds):
+    """The norm called from another statement, as another attribute (one module as both norms), from a hook (a
+    probe), by keyword: each gets the norm's output; only the statement before the MLP folds."""
+    dtype = _dtypes()[0]
+    x = torch.randn(1, 4, 64, device=device, dtype=dtype) * 3
+    ref, block = _unfused_and_fused(_NormTwice(_model(device, dtype).model.layers[0]).to(device=device, dtype=dtype))
+    model = _model(device, dtype)
+    for layer in model.model.layers:
+        layer.input_layernorm = layer.post_attention_layernorm
+    ref_model, model = _unfused_and_fused(model)
+    ids = torch.randint(0, 128, (1, 4), device=device)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(block(x), ref(x))
+            torch.testing.assert_close(model(ids).logits, ref_model(ids).logits)
+        for by_keyword in (False, True):
+            seen = []
+            for m in (ref_model, model):
+                layer = m.model.layers[0]
+                norm = layer.post_attention_layernorm
+                probe = layer.self_attn.register_forward_hook(lambda mod, args, out, norm=norm: seen.append(
+                    norm(hidden_states=out[0]) if by_keyword else norm(out[0])))
+                m(ids)
+                probe.remove()
+            torch.testing.assert_close(seen[1], seen[0])
+    assert True in folds
+
+
+def test_a_copy_taken_during_a_forward_runs_the_norm(device, folds):
+    dtype = _dtypes()[0]
+    ref, model = _unfused_and_fused(_model(device, dtype))
+    ids = torch.randint(0, 128, (1, 3), device=device)
+    copies = []
+    hook = model.model.layers[0].self_attn.register_forward_hook(lambda *a: copies.append(copy.deepcopy(model)))
+    with torch.no_grad():
+        model(ids)
+        hook.remove()
+        snapshot = copies[0]
+        snapshot.model.layers[0].self_attn._forward_hooks.clear()
+        expected = ref(ids).logits
+        torch.testing.assert_close(snapshot(ids).logits, expected)
+        layer = snapshot.model.layers[0]
+        assert "forward" not in layer.post_attention_layernorm.__dict__ and "_tritonmm_norm" not in layer.mlp.__dict__
+        torch.testing.assert_close(tritonmm.unfuse(snapshot)(ids).logits, expected)

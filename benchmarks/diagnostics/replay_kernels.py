@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 import tritonmm
 from tritonmm.bench.model import _capture, _tokens, build_model, mode
 from tritonmm.bench.timing import machine_facts, warm_up_gpu
+from tritonmm.modules import norm_fold
 
 REPLAYS = 50
 PROFILED = 10
@@ -73,6 +74,7 @@ def main():
            "weights": _weights_mb(model), "rows": []}
     print(f"{config}: {weights_mb:.0f} MB of weights read per forward (embedding aside): "
           f"{weights_mb / HBM_TBS:.0f} µs at {HBM_TBS} TB/s", flush=True)
+    norm_fold.FOLD = True  # fuse folds each layer's RMSNorm into its MLP ("fuse_unfolded" takes the fold out)
     with mode("fuse", model):  # packs gate and up (and q, k, v) once, before any capture: graphs read a weight's
         pass                   # memory as captured, and packing moves the weights (unfuse(unpack=False) keeps them)
     for seq in seqs:

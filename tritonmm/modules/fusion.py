@@ -23,9 +23,9 @@
 * **Attention projections** (Llama, Mistral, Qwen2, Qwen3): where ``q_proj``, ``k_proj`` and ``v_proj``
   read the attention's hidden states, their packed weights run as one cuBLAS GEMM while a CUDA graph of an
   inference forward is captured (:mod:`tritonmm.modules.qkv`); with ``pack=False`` attentions are not fused.
-* **RMSNorm into the MLP**: a decoder layer that passes an RMSNorm's output straight to a fused MLP (Llama-family
-  layers) has the norm computed in the gated kernel's loads in inference calls of up to 16 rows
-  (:mod:`tritonmm.modules.norm_fold`).
+* **RMSNorm into the MLP** (with :data:`tritonmm.modules.norm_fold.FOLD` on): a decoder layer that passes an
+  RMSNorm's output straight to a fused MLP (Llama-family layers) has the norm computed in the gated kernel's loads
+  in inference calls of up to 16 rows (:mod:`tritonmm.modules.norm_fold`).
 
 Like :func:`tritonmm.swap_linear`, ``fuse`` changes the module's class in place to a subclass, so
 parameters, ``state_dict``, hooks, tied weights and ``isinstance`` are untouched. By default it also
@@ -299,7 +299,8 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
          pack: bool = True) -> nn.Module:
     """Fuse, in place, every gated MLP of ``model`` (gate and up as one GEMM), every Linear directly
     followed by a known activation module in an ``nn.Sequential`` (the activation in the GEMM's epilogue),
-    every decoder layer's RMSNorm before a fused MLP (:mod:`tritonmm.modules.norm_fold`) and, with ``pack``,
+    with ``norm_fold.FOLD`` every decoder layer's RMSNorm before a fused MLP (:mod:`tritonmm.modules.norm_fold`) and,
+    with ``pack``,
     every attention whose q, k and v projections read its hidden states (one GEMM while a CUDA graph of an
     inference forward is captured, :mod:`tritonmm.modules.qkv`).
 
@@ -348,7 +349,7 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
             pair = _gate_up(module) if pack and type(module).forward is _fused_forward else None
             if pair:
                 packing.pack(*pair, accept=serves)
-    for fqn, module in model.named_modules():  # (after the MLPs: a layer folds its norm into a fused one)
+    for fqn, module in model.named_modules() if norm_fold.FOLD else ():  # (after the MLPs, which layers fold into)
         if _kind(type(module)) is None and norm_fold.foldable(module) and (filter_fn is None or filter_fn(module, fqn)):
             module.__class__ = _fused_class(type(module))
     return model

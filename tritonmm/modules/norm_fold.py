@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import sys
 import textwrap
 import threading
 from typing import Optional
@@ -35,6 +36,10 @@ from torch import nn
 
 from ..dispatch.gated import GATED_MAX_M
 from .plain import MODULE_CALL, any_hooked
+
+FOLD = False
+"""Whether :func:`tritonmm.fuse` makes folding layers (off until the fold is measured on the H200 in a model's
+decode: ``benchmarks/diagnostics/replay_kernels.py``); layers made while it was on keep folding."""
 
 
 def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # transformers', verbatim
@@ -88,26 +93,36 @@ def _assigned(stmt) -> Optional[str]:
 _pairs: dict = {}
 
 
-def fold_pairs(cls: type) -> tuple:
-    """((mlp attribute, norm attribute), ...) of the statement pairs ``X = self.<norm>(...)``, ``X = self.<mlp>(X)``
-    in ``cls.forward``'s source (empty where there is none or no source)."""
-    forward = cls.__dict__.get("forward", getattr(cls, "forward", None))
-    if forward in _pairs:
-        return _pairs[forward]
-    pairs = []
+def _analysed(forward) -> tuple:
+    """(pairs, sites) of a layer's ``forward``: :func:`fold_pairs`'s pairs, and for each norm attribute the code object
+    and the lines of its statement (where :class:`Pending` hands the input back)."""
+    hit = _pairs.get(forward)
+    if hit is not None:
+        return hit
+    pairs, sites = [], {}
     try:
-        source = textwrap.dedent(inspect.getsource(inspect.unwrap(forward)))
-        body = ast.parse(source).body[0].body
-    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
-        body = []
+        fn = inspect.unwrap(forward)
+        lines, start = inspect.getsourcelines(fn)
+        body = ast.parse(textwrap.dedent("".join(lines))).body[0].body
+    except (OSError, TypeError, SyntaxError, IndexError, AttributeError, ValueError):
+        fn, start, body = None, 0, []
     for first, second in zip(body, body[1:]):
         name = _assigned(first)
         norm = _self_call(first.value) if name else None
         mlp = _self_call(second.value, name) if norm and _assigned(second) == name else None
-        if mlp:
+        if mlp and getattr(fn, "__code__", None) is not None:
             pairs.append((mlp, norm))
-    _pairs[forward] = tuple(pairs)
-    return _pairs[forward]
+            sites[norm] = (fn.__code__, start + first.lineno - 1, start + first.end_lineno - 1)
+    if len(_pairs) >= 1024:
+        _pairs.clear()
+    hit = _pairs[forward] = (tuple(pairs), sites)
+    return hit
+
+
+def fold_pairs(cls: type) -> tuple:
+    """((mlp attribute, norm attribute), ...) of the statement pairs ``X = self.<norm>(...)``, ``X = self.<mlp>(X)``
+    in ``cls.forward``'s source (empty where there is none or no source)."""
+    return _analysed(cls.__dict__.get("forward", getattr(cls, "forward", None)))[0]
 
 
 _CHECKPOINTING = ("transformers.modeling_layers", "GradientCheckpointingLayer")
@@ -122,38 +137,69 @@ def subclassable(cls: type) -> bool:
 
 
 def foldable(module) -> bool:
-    """Whether :func:`tritonmm.fuse` makes ``module`` a folding layer: a pair of :func:`fold_pairs` whose norm is
+    """Whether :func:`tritonmm.fuse` makes ``module`` a folding layer (with :data:`FOLD` on): a pair of :func:`fold_pairs` whose norm is
     :func:`rms_norm` and whose MLP is fused (its class marked ``_tritonmm_takes_norm``)."""
     mods = module._modules
     return subclassable(type(module)) and any(rms_norm(mods.get(n)) and getattr(type(mods.get(m)), "_tritonmm_takes_norm", False)
                for m, n in fold_pairs(type(module)))
 
 
+_MODULE_CALLS = nn.Module._call_impl.__code__.co_filename  # (torch's module call machinery: frames skipped)
+_getframe = sys._getframe
+
+
 class Pending:
-    """The norm's instance forward while a folding layer runs: its input back, remembered (one call of up to
-    ``GATED_MAX_M`` rows, from the thread that armed it); other calls run the norm's own forward."""
+    """The norm's instance forward while a folding layer runs: its input back, remembered, for one call of up to
+    ``GATED_MAX_M`` rows from the layer's norm statement (``site``: the forward's code and lines) in the thread that
+    armed it; every other call runs the norm's own forward. Copies and pickles taken meanwhile are
+    :class:`_Stale`."""
 
-    __slots__ = ("norm", "x", "thread")
+    __slots__ = ("norm", "x", "thread", "site")
 
-    def __init__(self, norm):
-        self.norm, self.x, self.thread = norm, None, _get_ident()
+    def __init__(self, norm, site):
+        self.norm, self.x, self.thread, self.site = norm, None, _get_ident(), site
 
-    def __call__(self, x):
+    def __call__(self, *args, **kwargs):
+        x = args[0] if len(args) == 1 and not kwargs else None
         if self.x is None and type(x) is _Tensor and _get_ident() == self.thread and x.dim() \
                 and x.shape[-1] and x.numel() <= GATED_MAX_M * x.shape[-1]:
-            self.x = x
-            return x
-        return self.normalize(x)
+            f = _getframe(1)
+            while f is not None and f.f_code.co_filename == _MODULE_CALLS:
+                f = f.f_back
+            code, first, last = self.site
+            if f is not None and f.f_code is code and first <= f.f_lineno <= last:
+                self.x = x
+                return x
+        return type(self.norm).forward(self.norm, *args, **kwargs)
 
     def normalize(self, x):
         """The norm's own forward on ``x`` (what the layer would have passed on)."""
         return type(self.norm).forward(self.norm, x)
 
+    def __reduce__(self):
+        return _Stale, (self.norm,)
+
+
+class _Stale:
+    """What a :class:`Pending` copies and pickles as: the norm's own forward, which removes itself on its first call."""
+
+    __slots__ = ("norm",)
+
+    def __init__(self, norm):
+        self.norm = norm
+
+    def __call__(self, *args, **kwargs):
+        if self.norm.__dict__.get("forward") is self:
+            del self.norm.__dict__["forward"]
+        return type(self.norm).forward(self.norm, *args, **kwargs)
+
 
 def take(mlp, x) -> Optional[Pending]:
     """The :class:`Pending` whose input ``x`` is (the MLP must normalize it, or fold the norm), or None."""
     pending = mlp.__dict__.get("_tritonmm_norm")
-    if pending is None or pending.x is not x or x is None:
+    if type(pending) is not Pending or pending.x is not x or x is None:
+        if type(pending) is _Stale:  # (copied from a layer mid-call)
+            del mlp.__dict__["_tritonmm_norm"]
         return None
     pending.x = None
     return pending
@@ -165,11 +211,12 @@ def _folding_forward(self, *args, **kwargs):
         return base.forward(self, *args, **kwargs)
     armed = []
     mods = self._modules
-    for m, n in fold_pairs(base):
+    pairs, sites = _analysed(base.forward)
+    for m, n in pairs:
         mlp, norm = mods.get(m), mods.get(n)
         if getattr(type(mlp), "_tritonmm_takes_norm", False) and rms_norm(norm) and not any_hooked(norm, mlp) \
                 and "_tritonmm_norm" not in mlp.__dict__:
-            pending = Pending(norm)
+            pending = Pending(norm, sites[n])
             norm.__dict__["forward"] = mlp.__dict__["_tritonmm_norm"] = pending
             armed.append((norm, mlp, pending))
     try:
