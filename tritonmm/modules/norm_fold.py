@@ -8,10 +8,11 @@ kernel normalizes each tile of X as it loads it, rounding where the module round
 (:func:`tritonmm.dispatch.gated.norm_forward`), and the norm's output is never written.
 
 How: while the layer's own forward runs (called as it is, its statements unchanged), the norm's instance ``forward``
-is a :class:`Pending` that hands its input back unchanged and remembers it, and the fused MLP holds the same
-:class:`Pending`; the MLP, called with that very tensor, runs the folded kernel, or runs the norm's own forward
-first where it cannot (a geometry the gated kernel does not serve yet, hooks, another path). Both attributes are
-removed when the layer's forward returns or raises; a call from another thread meanwhile runs the norm as it is.
+is a :class:`Pending`, which the fused MLP holds too. Called from the norm's statement (the caller's code object and
+line) with one tensor, it hands that tensor back unchanged and remembers it; every other call (another statement,
+a hook, a keyword argument, another thread) runs the norm's own forward. The MLP, called with that very tensor,
+runs the folded kernel, or the norm's own forward first where it cannot (a geometry the gated kernel does not
+serve yet, hooks, another path). Both attributes are removed when the layer's forward returns or raises.
 
 Which layers (:func:`fold_pairs`, read once per class from its forward's source with :mod:`ast`): the forward
 assigns ``X = self.<norm>(...)`` and its next statement is ``X = self.<mlp>(X)``, so nothing else reads the norm's
