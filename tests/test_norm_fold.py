@@ -227,3 +227,36 @@ def test_a_copy_taken_during_a_forward_runs_the_norm(device, folds):
         layer = snapshot.model.layers[0]
         assert "forward" not in layer.post_attention_layernorm.__dict__ and "_tritonmm_norm" not in layer.mlp.__dict__
         torch.testing.assert_close(tritonmm.unfuse(snapshot)(ids).logits, expected)
+
+
+def _rms_norm(x, w, eps):
+    h = x.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("dtype", _dtypes())  # float32, bfloat16: one pass; float16: two passes
+@pytest.mark.parametrize("M, N, K, cfg", [(1, 40, 96, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)),
+                                           (5, 33, 130, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)),
+                                           (16, 70, 200, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))])
+def test_the_norm_in_the_gated_kernel_against_float64(M, N, K, cfg, dtype, device):
+    """Odd sizes, K tails, configs whose K loop runs one to several times; NaN-filled output."""
+    from tritonmm.dispatch import gated
+    from tritonmm.kernels.gated_launchers import gated_launcher
+
+    x = torch.randn(M, K, device=device, dtype=dtype) * 4
+    nw = (torch.rand(K, device=device) + 0.5).to(dtype)
+    wg, wu = ((torch.randn(N, K, device=device) / K**0.5).to(dtype) for _ in range(2))
+    eps = 1e-5
+    config = dict(cfg, GROUP_M=8, num_warps=4, num_stages=2)
+    launch = gated_launcher("pointer", M, N, K, K, K, K, dtype, device, None, False, "silu", config, norm_eps=eps)
+    h = torch.full((M, N), float("nan"), device=device, dtype=dtype)
+    launch(x, wg, wu, None, None, h, None, None, nw)
+    ref = gated.reference(_rms_norm(x, nw, eps), wg.double(), wu.double())
+    norm = type(transformers.models.llama.modeling_llama.LlamaRMSNorm(K, eps))
+    module = norm(K, eps).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(nw)
+        eager = gated.reference(module(x), wg, wu)
+    eager_err = (eager.double() - ref).abs().max().item()
+    assert not h.isnan().any()
+    assert (h.double() - ref).abs().max().item() <= 2 * eager_err + 1e-6

@@ -6,8 +6,12 @@ multiplies by the up projection, rounding where the eager expression rounds, so 
 is written to memory unless the backward needs them (``SAVE``: both stored). Both weights are (N, K) nn.Linear weights read in place through their own pointers.
 
 The pointer kernel can also take the RMSNorm that produced X (``NORM``, transformers' ``LlamaRMSNorm``: X / rms(X)
-times a weight): a first loop over K sums each row's squares, the GEMM loop then loads X normalized and rounded where
-that module rounds (``round(w * round(x * rsqrt(mean(x^2) + eps)))``), so the norm's output is never written.
+times a weight), so the norm's output is never written. In one pass (``NORM_ONE_PASS``: bfloat16, whose range is
+float32's, and float32) the GEMM loop loads X times the weight, rounded once, sums each row's squares on the way, and
+the epilogue scales the accumulators by each row's 1 / rms (a factor per row commutes with the GEMM). In two passes
+(float16, where X times the weight may overflow though the normalized values do not) a first loop over K sums the
+squares and the GEMM loop loads X normalized and rounded where the module rounds
+(``round(w * round(x * rsqrt(mean(x^2) + eps)))``).
 
 Two families, as for the plain GEMM: the pointer kernel (any M, masked; small-M tiles) and the
 persistent TMA kernel (Hopper and newer; Triton tutorial 09's loop over output tiles).
@@ -68,6 +72,7 @@ def _gated_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INT64: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE: tl.constexpr,
     ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NORM: tl.constexpr,
+    NORM_ONE_PASS: tl.constexpr,
 ):
     pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -85,8 +90,11 @@ def _gated_kernel(
     wg_ptrs = wg_ptr + offs_wn[None, :] * stride_wg + offs_k[:, None]
     wu_ptrs = wu_ptr + offs_wn[None, :] * stride_wu + offs_k[:, None]
     if NORM:
-        rstd = _row_rstd(x_ptrs, offs_k, K, eps, BLOCK_M, BLOCK_K, EVEN_K)
         nw_ptrs = nw_ptr + offs_k
+        if NORM_ONE_PASS:
+            squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        else:
+            rstd = _row_rstd(x_ptrs, offs_k, K, eps, BLOCK_M, BLOCK_K, EVEN_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -99,10 +107,15 @@ def _gated_kernel(
             x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             wg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             wu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if NORM:  # transformers' LlamaRMSNorm: x / rms in fp32, rounded, times the weight, rounded
-            nw = tl.load(nw_ptrs, mask=offs_k < K - k * BLOCK_K, other=0.0)
-            xn = _to_output(x.to(tl.float32) * rstd[:, None], x.dtype, UPCAST)
-            x = _to_output(nw.to(tl.float32)[None, :] * xn.to(tl.float32), x.dtype, UPCAST)
+        if NORM:
+            nw = tl.load(nw_ptrs, mask=offs_k < K - k * BLOCK_K, other=0.0).to(tl.float32)
+            xf = x.to(tl.float32)
+            if NORM_ONE_PASS:  # x times the weight; 1 / rms in the epilogue
+                squares += tl.sum(xf * xf, axis=1)
+                x = _to_output(xf * nw[None, :], x.dtype, UPCAST)
+            else:  # transformers' LlamaRMSNorm: x / rms in fp32, rounded, times the weight, rounded
+                xn = _to_output(xf * rstd[:, None], x.dtype, UPCAST)
+                x = _to_output(nw[None, :] * xn.to(tl.float32), x.dtype, UPCAST)
             nw_ptrs += BLOCK_K
         if UPCAST:  # the interpreter multiplies bfloat16 bit patterns (triton-lang/triton#11584)
             x = x.to(tl.float32)
@@ -113,6 +126,11 @@ def _gated_kernel(
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
+    if NORM:
+        if NORM_ONE_PASS:
+            rstd = 1.0 / tl.sqrt(squares / K + eps)
+            acc_g *= rstd[:, None]
+            acc_u *= rstd[:, None]
     _gated_epilogue(acc_g, acc_u, offs_m, offs_n, M, N, bg_ptr, bu_ptr, stride_bg, stride_bu, h_ptr, g_ptr, u_ptr,
                     HAS_BIAS, SAVE, ACTIVATION, UPCAST)
 

@@ -135,6 +135,7 @@ def gated_launcher(kernel: str, M: int, N: int, K: int, stride_x: int, stride_wg
     else:
         meta["INT64"] = needs_int64((M, K, stride_x, 1), (N, K, max(stride_wg, stride_wu), 1), (M, N, N, 1))
         meta["NORM"] = norm_eps is not None
+        meta["NORM_ONE_PASS"] = norm_eps is not None and dtype != torch.float16  # (the kernel's docstring)
         fn = _gated_kernel
     eps = 0.0 if norm_eps is None else float(norm_eps)
 

@@ -4,8 +4,8 @@ In a Llama-family decoder layer the MLP's input is an RMSNorm's output (``post_a
 mode computes in eight kernels (cast, square, mean, add, rsqrt, scale, cast, weight) before the MLP reads it.
 :func:`tritonmm.fuse` gives such a layer a subclass whose forward, for calls without autograd of up to
 :data:`tritonmm.dispatch.gated.GATED_MAX_M` rows, lets the fused MLP read the norm's input instead: the gated
-kernel normalizes each tile of X as it loads it, rounding where the module rounds
-(:func:`tritonmm.dispatch.gated.norm_forward`), and the norm's output is never written.
+kernel scales each tile of X as it loads it and applies each row's 1 / rms (:mod:`tritonmm.kernels.gated`,
+:func:`tritonmm.dispatch.gated.norm_forward`), and the norm's output is never written.
 
 How: while the layer's own forward runs (called as it is, its statements unchanged), the norm's instance ``forward``
 is a :class:`Pending`, which the fused MLP holds too. Called from the norm's statement (the caller's code object and
@@ -40,8 +40,9 @@ from .plain import MODULE_CALL, any_hooked
 
 FOLD = False
 """Whether :func:`tritonmm.fuse` makes folding layers; layers made while it was on keep folding. Off by default: in
-CUDA-graph replays of the 8B-sized model on an H100 it made ``fuse`` 1.019x faster at 16 rows and the same at one
-row (``benchmarks/diagnostics/h100_replay_kernels.json``); its host cost in eager decode is not measured."""
+CUDA-graph replays of the 8B-sized model on an H100 the fold's two-pass form made ``fuse`` 1.019x faster at 16 rows
+and the same at one row (``benchmarks/diagnostics/h100_replay_kernels.json``); the one-pass form bfloat16 takes now,
+and the fold's host cost in eager decode, are not measured."""
 
 
 def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # transformers', verbatim
