@@ -1,8 +1,10 @@
 """Diagnostic: a fused Llama model's eager decode and 1 x 512 prefill (KV cache; the last position's logits) as
 shipped, and with the MLP calls of up to 16 rows running the torch expression instead of the gated GEMM kernel
 (``gated.GATED_MAX_M`` and ``gated.KERNEL_MAX_FLOPS_NO_GRAD`` set to 0: ``fuse_torch_small``), against tritonmm
-off and its A/A control, alternated as ``bench --model`` alternates its modes. The question it answers: whether the
-gated kernel's eager launches or the fused modules' own checks make host-paced decode slower than off.
+off and its A/A control, alternated as ``bench --model`` alternates its modes; and with each layer's RMSNorm folded
+into its MLP's gated kernel (``norm_fold.FOLD``: ``fuse_folded``). The question it answers: whether the gated kernel's
+eager launches or the fused modules' own checks make host-paced decode slower than off, and what the fold's host
+cost does there.
 
     PYTHONPATH=$PWD python3 benchmarks/diagnostics/decode_path_ab.py [CONFIG] [ROUNDS]  (writes $OUT/decode_path_ab.json)
 """
@@ -18,6 +20,7 @@ import tritonmm
 from tritonmm.bench import model as bench_model
 from tritonmm.bench.timing import machine_facts
 from tritonmm.dispatch import gated
+from tritonmm.modules import norm_fold
 from tritonmm.ops import gated as gated_op
 
 config = sys.argv[1] if len(sys.argv) > 1 else "llama3-8b-2l"
@@ -30,7 +33,10 @@ shipped = gated.GATED_MAX_M, gated.KERNEL_MAX_FLOPS_NO_GRAD
 
 
 @contextlib.contextmanager
-def variant(fused=True, small_kernel=True):
+def variant(fused=True, small_kernel=True, fold=False):
+    if fold:
+        norm_fold.FOLD = True
+        tritonmm.fuse(model)  # (the MLPs are fused already: the layers become folding layers)
     if not small_kernel:
         gated.GATED_MAX_M, gated.KERNEL_MAX_FLOPS_NO_GRAD = 0, 0
     gated_op.clear_cache()  # (bound replays keep the path's decision)
@@ -43,9 +49,15 @@ def variant(fused=True, small_kernel=True):
             tritonmm.fuse(model)
         gated.GATED_MAX_M, gated.KERNEL_MAX_FLOPS_NO_GRAD = shipped
         gated_op.clear_cache()
+        if fold:
+            norm_fold.FOLD = False
+            for layer in model.modules():
+                if "_tritonmm_folds" in type(layer).__dict__:
+                    layer.__class__ = type(layer)._tritonmm_fused_base
 
 
-modes = {"off": lambda: variant(fused=False), "fuse": variant, "fuse_torch_small": lambda: variant(small_kernel=False)}
+modes = {"off": lambda: variant(fused=False), "fuse": variant, "fuse_torch_small": lambda: variant(small_kernel=False),
+         "fuse_folded": lambda: variant(fold=True), "control": lambda: variant(fused=False)}  # (control: off again)
 rows = []
 vocab = model.config.vocab_size
 with torch.no_grad():
