@@ -126,11 +126,10 @@ def _gated_kernel(
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
-    if NORM:
-        if NORM_ONE_PASS:
-            rstd = 1.0 / tl.sqrt(squares / K + eps)
-            acc_g *= rstd[:, None]
-            acc_u *= rstd[:, None]
+    if NORM_ONE_PASS:  # (only with NORM)
+        rstd = 1.0 / tl.sqrt(squares / K + eps)
+        acc_g *= rstd[:, None]
+        acc_u *= rstd[:, None]
     _gated_epilogue(acc_g, acc_u, offs_m, offs_n, M, N, bg_ptr, bu_ptr, stride_bg, stride_bu, h_ptr, g_ptr, u_ptr,
                     HAS_BIAS, SAVE, ACTIVATION, UPCAST)
 

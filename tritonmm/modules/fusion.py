@@ -49,20 +49,18 @@ from torch import nn
 from torch.fx import Proxy as _Proxy
 
 from ..api import linear, torch_planned
-from ..core import modes
 from ..core.modes import PLAIN
 from ..dispatch.gated import norm_forward, norm_replay, torch_serves
 from ..dispatch.gated import norm_runs as _norm_runs
 from ..dispatch.gated_cublas import serves
-from ..ops.gated import gated_linear
+from ..ops.gated import _fast_key, gated_linear
 from ..ops.gated_mlp import gated_mlp
-from ..ops.gated import _fast_key
 from ..ops.gated_args import kernel_shaped
 from . import norm_fold, packing, qkv
 from .linear import _original_forward, _settled_forward, reduce_as_base, require_module, settle, settled_class, \
     subclassable
 from .plain import MISSING as _MISSING
-from .plain import activation_name
+from .plain import activation_name, code_form
 from .plain import any_hooked as _any_hooked
 from .plain import global_hooks as _global_hooks
 from .plain import linear_type as _linear_type
@@ -79,12 +77,7 @@ def _llama_mlp_forward_return(self, x):  # the same without the local variable
     return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _code_form(fn) -> tuple | None:
-    code = getattr(fn, "__code__", None)
-    return None if code is None else (code.co_code, code.co_names, code.co_consts[1:], code.co_argcount)
-
-
-_FORMS = {_code_form(_llama_mlp_forward), _code_form(_llama_mlp_forward_return)}
+_FORMS = {code_form(_llama_mlp_forward), code_form(_llama_mlp_forward_return)}
 
 
 def _plain_params(weight, bias) -> bool:
@@ -93,7 +86,7 @@ def _plain_params(weight, bias) -> bool:
 
 
 def _gated_mlp(module: nn.Module) -> bool:
-    if _code_form(type(module).forward) not in _FORMS:
+    if code_form(type(module).forward) not in _FORMS:
         return False
     gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
     if not all(_plain_linear(m) for m in (gate, up, down)):
@@ -174,7 +167,7 @@ def _folded(self, x, pending):
             and kernel_shaped(x, wg, wu, bg, bu)):
         return None
     h = norm_forward(x, nw, eps, wg, wu, bg, bu, name)
-    if h is not None and key and not _grad_enabled() and modes.plain(wg, wu, bg, bu, nw):
+    if h is not None and key and not _grad_enabled():
         run = norm_replay(x, nw, eps, wg, wu, bg, bu, name)
         if run is not None:
             if len(_norm_runs) >= 1024:
@@ -285,7 +278,7 @@ def _fused_class(cls: type) -> type:
     if cls not in _fused_classes:
         sequential = cls.forward is nn.Sequential.forward
         attrs = {"forward": _fused_sequential_forward} if sequential else \
-            {"forward": _fused_forward, "_tritonmm_takes_norm": True} if _code_form(cls.forward) in _FORMS else \
+            {"forward": _fused_forward, "_tritonmm_takes_norm": True} if code_form(cls.forward) in _FORMS else \
             norm_fold.attributes() if norm_fold.fold_pairs(cls) else qkv.fused_attributes(cls)
         fused = _fused_classes[cls] = type(
             f"TritonFused{cls.__name__}", (cls,),
@@ -299,10 +292,9 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
          pack: bool = True) -> nn.Module:
     """Fuse, in place, every gated MLP of ``model`` (gate and up as one GEMM), every Linear directly
     followed by a known activation module in an ``nn.Sequential`` (the activation in the GEMM's epilogue),
-    with ``norm_fold.FOLD`` every decoder layer's RMSNorm before a fused MLP (:mod:`tritonmm.modules.norm_fold`) and,
-    with ``pack``,
-    every attention whose q, k and v projections read its hidden states (one GEMM while a CUDA graph of an
-    inference forward is captured, :mod:`tritonmm.modules.qkv`).
+    with ``norm_fold.FOLD`` every decoder layer's RMSNorm before a fused MLP (:mod:`tritonmm.modules.norm_fold`)
+    and, with ``pack``, every attention whose q, k and v projections read its hidden states (one GEMM while a CUDA
+    graph of an inference forward is captured, :mod:`tritonmm.modules.qkv`).
 
     Args:
         model: any module tree (the root included).

@@ -36,13 +36,12 @@ import torch
 from torch import nn
 
 from ..dispatch.gated import GATED_MAX_M
-from .plain import MODULE_CALL, any_hooked
+from .plain import MODULE_CALL, any_hooked, code_form
 
 FOLD = False
-"""Whether :func:`tritonmm.fuse` makes folding layers; layers made while it was on keep folding. Off by default: in
-CUDA-graph replays of the 8B-sized model on an H100 the fold's two-pass form made ``fuse`` 1.019x faster at 16 rows
-and the same at one row (``benchmarks/diagnostics/h100_replay_kernels.json``); the one-pass form bfloat16 takes now,
-and the fold's host cost in eager decode, are not measured."""
+"""Whether :func:`tritonmm.fuse` makes folding layers; layers made while it was on keep folding. Off by default: the
+fold's replay measurement is ``benchmarks/diagnostics/h100_replay_kernels.json``; its one-pass form (bfloat16) and its
+host cost in eager decode are not measured."""
 
 
 def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # transformers', verbatim
@@ -53,12 +52,7 @@ def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor: 
     return self.weight * hidden_states.to(input_dtype)
 
 
-def _code_form(fn) -> Optional[tuple]:
-    code = getattr(fn, "__code__", None)
-    return None if code is None else (code.co_code, code.co_names, code.co_consts[1:], code.co_argcount)
-
-
-_NORM_FORM = _code_form(_llama_rms_norm_forward)
+_NORM_FORM = code_form(_llama_rms_norm_forward)
 _get_ident = threading.get_ident
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
@@ -69,7 +63,7 @@ def rms_norm(module) -> bool:
     """Whether ``module`` is transformers' LlamaRMSNorm as the gated kernel computes it: its class's forward
     (bytecode), called as modules are called, a 1-D ``weight`` parameter and a float ``variance_epsilon``."""
     t = type(module)
-    if not isinstance(module, nn.Module) or _code_form(t.forward) != _NORM_FORM or t.__call__ is not MODULE_CALL:
+    if not isinstance(module, nn.Module) or code_form(t.forward) != _NORM_FORM or t.__call__ is not MODULE_CALL:
         return False
     w = module._parameters.get("weight")
     return w is not None and type(w) in (nn.Parameter, torch.Tensor) and w.dim() == 1 \

@@ -66,6 +66,12 @@ def param(m, name, default=MISSING):
     return getattr(m, name) if default is MISSING else getattr(m, name, default)
 
 
+def code_form(fn) -> Optional[tuple]:
+    """What two functions written alike share: bytecode, names, constants (the docstring aside), argument count."""
+    code = getattr(fn, "__code__", None)
+    return None if code is None else (code.co_code, code.co_names, code.co_consts[1:], code.co_argcount)
+
+
 _SIMPLE = {nn.SiLU: "silu", nn.ReLU: "relu"}
 _FORWARDS = {t: t.forward for t in (nn.SiLU, nn.ReLU, nn.GELU)}  # an activation's forward when first seen
 
