@@ -103,6 +103,26 @@ def test_runs_as_it_is_with_autograd_more_rows_or_hooks(device, folds):
     assert not torch.equal(seen[0], x)  # the hook saw the norm's output, not its input
 
 
+def test_no_folded_launcher_is_built_in_graph_capture(device, folds, monkeypatch):
+    """The folded kernel's first launch compiles (and autotunes): never while a CUDA graph is captured, where
+    loading a module invalidates the capture; that call runs the norm and the plain gated kernel."""
+    from tritonmm.kernels import launch
+
+    model = tritonmm.fuse(_model(device, _dtypes()[0]))
+    layer = model.model.layers[0]
+    x = torch.randn(1, 1, 64, device=device, dtype=_dtypes()[0])
+    kwargs = dict(position_embeddings=model.model.rotary_emb(x, torch.zeros(1, 1, dtype=torch.long, device=device)))
+    with torch.no_grad():
+        ref = layer(x, **kwargs)  # (builds the plain gated launcher)
+        monkeypatch.setattr(launch, "capturing", lambda device: True)
+        captured = layer(x, **kwargs)
+        monkeypatch.setattr(launch, "capturing", lambda device: False)
+        after = layer(x, **kwargs)
+    assert folds == [False, False, True]
+    torch.testing.assert_close(captured, ref, rtol=0, atol=0)
+    torch.testing.assert_close(after, ref)
+
+
 def test_leaves_no_state_and_the_norm_alone_still_normalizes(device, folds, monkeypatch):
     model = tritonmm.fuse(_model(device, _dtypes()[0]))
     layer = model.model.layers[0]

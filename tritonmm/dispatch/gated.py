@@ -267,12 +267,12 @@ def norm_forward(x: Tensor, norm_weight: Tensor, eps: float, w_gate: Tensor, w_u
                  activation: str) -> Optional[Tensor]:
     """``gated_linear(norm(x), ...)`` without autograd for the RMSNorm ``norm`` (transformers' ``LlamaRMSNorm``:
     ``norm_weight``, ``eps``) as one launch of the pointer kernel with the norm in its loads, for a geometry whose
-    gated linear that kernel already serves (its launcher built and decided, on up to :data:`GATED_MAX_M` rows):
-    the same config. Operands as :func:`~tritonmm.ops.gated_args.kernel_shaped` takes them (the caller checks).
+    gated linear that kernel already serves (its launcher built and decided, on up to :data:`GATED_MAX_M` rows),
+    with a config of its own (autotuned on its first launch, which is never in CUDA graph capture). Operands as :func:`~tritonmm.ops.gated_args.kernel_shaped` takes them (the caller checks).
     None where it does not serve (not built yet, the torch expression, another path, autocast, a mode, a failed
     launch): the caller normalizes ``x`` and calls the gated linear."""
     from ..kernels.gated_launchers import gated_launcher
-    from ..kernels.launch import LAUNCH_FAILURES
+    from ..kernels.launch import LAUNCH_FAILURES, capturing
 
     tensors = (x, w_gate, w_up, b_gate, b_up, norm_weight)
     if _any_autocast() or not modes.eager() or not modes.plain(*tensors) or modes.torch_only(*tensors) \
@@ -291,13 +291,12 @@ def norm_forward(x: Tensor, norm_weight: Tensor, eps: float, w_gate: Tensor, w_u
     nkey = (key, eps, norm_weight.data_ptr() % 16 == 0)
     launch = _norm_launchers.get(nkey)
     if launch is None:
-        plain = _launchers.get(key)
-        config = getattr(plain, "state", {}).get("config")  # (None: not built, torch, failed, or not yet tuned)
-        if config is None:
+        plain = _launchers.get(key)  # (its config None: not built, torch, failed, or not yet tuned)
+        if getattr(plain, "state", {}).get("config") is None or capturing(x.device):  # (no compiling in capture)
             return None
         bias_strides = None if b_gate is None else (b_gate.stride(0), b_up.stride(0))
         launch = gated_launcher("pointer", M, N, K, x2.stride(0), w_gate.stride(0), w_up.stride(0), x.dtype, x.device,
-                                bias_strides, False, activation, config, norm_eps=eps)
+                                bias_strides, False, activation, norm_eps=eps)  # (its own config: autotuned)
         if len(_norm_launchers) >= _LAUNCHERS_MAX:
             _norm_launchers.clear()
         _norm_launchers[nkey] = launch

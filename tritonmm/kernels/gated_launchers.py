@@ -79,15 +79,16 @@ def _early_prune(kernel: str, configs, named_args, **kwargs):
 
 @functools.cache
 def autotuned(kernel: str):
-    """The ``@triton.autotune`` wrapper of one gated kernel (key: bucketed M, N, K; Triton adds dtypes)."""
+    """The ``@triton.autotune`` wrapper of one gated kernel (key: bucketed M, N, K and the pointer kernel's NORM; Triton
+    adds dtypes)."""
     configs = [_cfg.to_triton(c) for c in _candidates(kernel)]
     prune_by = {"early_config_prune": functools.partial(_early_prune, kernel)}
     if kernel == "tma":
         fn = _gated_tma_kernel
     else:
         fn = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_gated_kernel)
-    return triton.autotune(configs=configs, key=["M_BUCKET", "N_BUCKET", "K_BUCKET"], prune_configs_by=prune_by,
-                           cache_results=True)(fn)
+    key = ["M_BUCKET", "N_BUCKET", "K_BUCKET"] + (["NORM"] if kernel == "pointer" else [])  # (NORM tunes apart)
+    return triton.autotune(configs=configs, key=key, prune_configs_by=prune_by, cache_results=True)(fn)
 
 
 _cfg._dependents += [_candidates, autotuned]
