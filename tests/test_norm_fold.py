@@ -94,6 +94,14 @@ def test_runs_as_it_is_with_autograd_more_rows_or_hooks(device, folds):
     with torch.no_grad():
         big = torch.randn(1, 17, 64, device=device, dtype=x.dtype)
         big_kwargs = dict(position_embeddings=model.model.rotary_emb(big, torch.arange(17, device=device)[None]))
+        armed = []  # (a layer input of more rows than a fold takes arms nothing)
+        probe = layer.self_attn.register_forward_hook(
+            lambda *a: armed.append("forward" in layer.post_attention_layernorm.__dict__))
+        layer(big, **big_kwargs)
+        layer(x, **kwargs)
+        probe.remove()
+        assert armed == [False, True]
+        folds.clear()
         layer(big, **big_kwargs)
         seen = []
         handle = layer.post_attention_layernorm.register_forward_hook(lambda m, i, o: seen.append(o))
@@ -120,7 +128,7 @@ def test_no_folded_launcher_is_built_in_graph_capture(device, folds, monkeypatch
         after = layer(x, **kwargs)
     assert folds == [False, False, True]
     torch.testing.assert_close(captured, ref, rtol=0, atol=0)
-    torch.testing.assert_close(after, ref)
+    _same(after, ref)
 
 
 def test_leaves_no_state_and_the_norm_alone_still_normalizes(device, folds, monkeypatch):
@@ -203,6 +211,13 @@ def _unfused_and_fused(model):
     return ref, tritonmm.fuse(model)
 
 
+def _same(actual, expected):
+    """Fused against unfused: float32 as torch.testing's default; in 16-bit dtypes the one-pass fold rounds X times
+    the norm's weight once where the module rounds twice (a norm handed its input back differs by far more)."""
+    low = actual.dtype in (torch.float16, torch.bfloat16)
+    torch.testing.assert_close(actual, expected, **(dict(atol=1e-2, rtol=2e-2) if low else {}))
+
+
 def test_other_calls_of_the_norm_during_the_layer_normalize(device, folds):
     """The norm called from another statement, as another attribute (one module as both norms), from a hook (a
     probe), by keyword: each gets the norm's output; only the statement before the MLP folds."""
@@ -216,8 +231,8 @@ def test_other_calls_of_the_norm_during_the_layer_normalize(device, folds):
     ids = torch.randint(0, 128, (1, 4), device=device)
     with torch.no_grad():
         for _ in range(3):
-            torch.testing.assert_close(block(x), ref(x))
-            torch.testing.assert_close(model(ids).logits, ref_model(ids).logits)
+            _same(block(x), ref(x))
+            _same(model(ids).logits, ref_model(ids).logits)
         for by_keyword in (False, True):
             seen = []
             for m in (ref_model, model):
@@ -227,7 +242,7 @@ def test_other_calls_of_the_norm_during_the_layer_normalize(device, folds):
                     norm(hidden_states=out[0]) if by_keyword else norm(out[0])))
                 m(ids)
                 probe.remove()
-            torch.testing.assert_close(seen[1], seen[0])
+            _same(seen[1], seen[0])
     assert True in folds
 
 
@@ -243,10 +258,10 @@ def test_a_copy_taken_during_a_forward_runs_the_norm(device, folds):
         snapshot = copies[0]
         snapshot.model.layers[0].self_attn._forward_hooks.clear()
         expected = ref(ids).logits
-        torch.testing.assert_close(snapshot(ids).logits, expected)
+        _same(snapshot(ids).logits, expected)
         layer = snapshot.model.layers[0]
         assert "forward" not in layer.post_attention_layernorm.__dict__ and "_tritonmm_norm" not in layer.mlp.__dict__
-        torch.testing.assert_close(tritonmm.unfuse(snapshot)(ids).logits, expected)
+        _same(tritonmm.unfuse(snapshot)(ids).logits, expected)
 
 
 def _rms_norm(x, w, eps):

@@ -28,15 +28,20 @@ rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 model = bench_model.build_model(config, device, dtype)
+norm_fold.FOLD = True
 tritonmm.fuse(model)  # packed once; "off" runs the unfused forward on the same packed weights
+folding = [(layer, type(layer)) for layer in model.modules() if "_tritonmm_folds" in type(layer).__dict__]
+norm_fold.FOLD = False
+for layer, cls in folding:  # ("fuse_folded" gives them their folding class back, a swap that resets nothing)
+    layer.__class__ = cls._tritonmm_fused_base
 shipped = gated.GATED_MAX_M, gated.KERNEL_MAX_FLOPS_NO_GRAD
 
 
 @contextlib.contextmanager
 def variant(fused=True, small_kernel=True, fold=False):
     if fold:
-        norm_fold.FOLD = True
-        tritonmm.fuse(model)  # (the MLPs are fused already: the layers become folding layers)
+        for layer, cls in folding:
+            layer.__class__ = cls
     if not small_kernel:
         gated.GATED_MAX_M, gated.KERNEL_MAX_FLOPS_NO_GRAD = 0, 0
     gated_op.clear_cache()  # (bound replays keep the path's decision)
@@ -50,10 +55,8 @@ def variant(fused=True, small_kernel=True, fold=False):
         gated.GATED_MAX_M, gated.KERNEL_MAX_FLOPS_NO_GRAD = shipped
         gated_op.clear_cache()
         if fold:
-            norm_fold.FOLD = False
-            for layer in model.modules():
-                if "_tritonmm_folds" in type(layer).__dict__:
-                    layer.__class__ = type(layer)._tritonmm_fused_base
+            for layer, cls in folding:
+                layer.__class__ = cls._tritonmm_fused_base
 
 
 modes = {"off": lambda: variant(fused=False), "fuse": variant, "fuse_torch_small": lambda: variant(small_kernel=False),
