@@ -39,9 +39,10 @@ from ..dispatch.gated import GATED_MAX_M
 from .plain import MODULE_CALL, any_hooked, code_form
 
 FOLD = False
-"""Whether :func:`tritonmm.fuse` makes folding layers; layers made while it was on keep folding. Off by default: the
-fold's replay measurement is ``benchmarks/diagnostics/h100_replay_kernels.json``; its one-pass form (bfloat16) and its
-host cost in eager decode are not measured."""
+"""Whether :func:`tritonmm.fuse` makes folding layers; layers made while it was on keep folding. Off by default: on an
+H100 the fold makes CUDA-graph replays and eager decode faster (``benchmarks/diagnostics/h100_replay_kernels.json``,
+``h100_decode_path_ab.json``), but that 1 x 512 eager prefill, where nothing folds, was slower than ``fuse`` without the
+fold, in a version that armed the fold for inputs of any rows; the current one is not measured there yet."""
 
 
 def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # transformers', verbatim
