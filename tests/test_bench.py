@@ -217,6 +217,36 @@ def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert "| tiny | eager prefill 1 x 16 |" in capsys.readouterr().out
 
 
+def test_model_benchmark_times_the_fold_where_asked(tmp_path, monkeypatch, capsys):
+    """--fold: the eager phases also time fuse with the RMSNorm fold (its own mode and column), fusing with the
+    switch on and leaving it as it was."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import tritonmm
+    from tritonmm.modules import norm_fold
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run is the H200 step `model`")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fuse, folding = tritonmm.fuse, []
+
+    def spy(model, *args, **kwargs):
+        out = fuse(model, *args, **kwargs)
+        folding.append(any("_tritonmm_folds" in type(m).__dict__ for m in model.modules()))
+        return out
+
+    monkeypatch.setattr(tritonmm, "fuse", spy)
+    out = tmp_path / "model.json"
+    assert bench.main(["--model", "--rounds", "1", "--model-phases", "eager", "--fold", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["phases"]
+    assert rows and all(r["fuse_fold_ratio"] > 0 and r["fuse_ratio"] > 0 for r in rows)
+    assert True in folding and False in folding and norm_fold.FOLD is False
+    assert "fuse_fold" in capsys.readouterr().out
+    assert bench.main(["--from-json", str(out), "--markdown"]) == 0
+    assert "| fuse, RMSNorm folded |" in capsys.readouterr().out
+
+
 def test_prefill_keeps_the_last_positions_logits_only():
     """The model benchmark's prefill computes what generate's does: the last position's logits, equal to the
     full forward's last row; a forward without the argument gets no keyword."""

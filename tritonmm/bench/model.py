@@ -18,6 +18,7 @@ import contextlib
 import copy
 import inspect
 import statistics
+from unittest import mock
 
 import torch
 
@@ -36,6 +37,7 @@ CONFIGS = {
                  num_key_value_heads=2, vocab_size=512),
 }
 MODES = ("off", "swap", "patch", "fuse")
+FOLD = "fuse_fold"  # fuse with the RMSNorm fold (norm_fold.FOLD): eager and CUDA-graph phases, where asked for
 CONTROL = "control"
 """A second contender that is tritonmm off (the same calls as ``off``): its ratio is the A/A spread of the
 method on this host, the noise floor the other ratios are read against."""
@@ -56,8 +58,9 @@ def build_model(name: str, device, dtype):
 def mode(name: str, model):
     """tritonmm off, swapped into ``model`` (``swap_linear``), patched into nn.Linear (``patch_linear``), or
     fused (``fuse``: each MLP's gate and up as one gated GEMM, each attention's q, k and v as one GEMM in
-    captured CUDA graphs; the other linears stay nn.Linear)."""
+    captured CUDA graphs; the other linears stay nn.Linear), or fused with the RMSNorm fold (:data:`FOLD`)."""
     import tritonmm
+    from tritonmm.modules import norm_fold
 
     if name == "swap":
         tritonmm.swap_linear(model)
@@ -65,6 +68,9 @@ def mode(name: str, model):
         tritonmm.patch_linear()
     if name == "fuse":
         tritonmm.fuse(model)
+    if name == FOLD:
+        with mock.patch.object(norm_fold, "FOLD", True):
+            tritonmm.fuse(model)
     try:
         yield
     finally:
@@ -72,7 +78,7 @@ def mode(name: str, model):
             tritonmm.unswap_linear(model)
         if name == "patch":
             tritonmm.unpatch_linear()
-        if name == "fuse":
+        if name in ("fuse", FOLD):
             tritonmm.unfuse(model, unpack=False)  # (packed once: no copies between samples)
 
 
@@ -171,13 +177,13 @@ def decoder(model, prompt: torch.Tensor, step: torch.Tensor):
     return decode
 
 
-def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
-    """Prefill, decode and (on a GPU) graph replay, eager, bf16 weights."""
+def eager_phases(name: str, device, rounds: int, small: bool, modes=MODES) -> list[dict]:
+    """Prefill, decode and (on a GPU) graph replay, eager, bf16 weights, in each of ``modes``."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(name, device, dtype)
     vocab = model.config.vocab_size
     rows = []
-    runs = lambda fn: {m: (lambda m=m: mode(m, model), fn) for m in MODES}  # noqa: E731
+    runs = lambda fn: {m: (lambda m=m: mode(m, model), fn) for m in modes}  # noqa: E731
     # decode, paced by the host, and prefill, as paced and with rounds of tens of ms: four times the rounds
     decode_rounds = prefill_rounds = 4 * rounds
     last = prefill_kwargs(model)
@@ -197,7 +203,7 @@ def eager_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
         for batch, seq in ((1, 16), (1, 128), (4, 512)):
             ids = _tokens(vocab, batch, seq, device)
             graphs = {}
-            for m in (*MODES, CONTROL):  # the control replays a graph of its own (memory placed apart, as each mode's)
+            for m in (*modes, CONTROL):  # the control replays a graph of its own (memory placed apart, as each mode's)
                 with mode("off" if m == CONTROL else m, model), torch.no_grad():
                     graphs[m] = _capture(lambda: model(ids, use_cache=False).logits)
             ms = alternate({m: (contextlib.nullcontext, g.replay) for m, g in graphs.items()}, device, rounds, iters=20)
@@ -325,9 +331,9 @@ def _rewind(cache, length: int) -> None:
             layer.cumulative_length = length
 
 
-def run(device, rounds: int = 15, configs=None, phases=None, progress=print, measured=None) -> dict:
+def run(device, rounds: int = 15, configs=None, phases=None, progress=print, measured=None, fold=False) -> dict:
     """Every phase of every config, then the per-call rows (``phases`` naming "per_call", as by default);
-    returns what the JSON holds. ``rounds`` is rounded up to whole blocks (:func:`alternate`). ``measured(rows)``,
+    returns what the JSON holds. ``fold``: the eager and CUDA-graph phases also time :data:`FOLD`. ``rounds`` is rounded up to whole blocks (:func:`alternate`). ``measured(rows)``,
     if given, gets the phase rows measured so far after each phase (the CLI keeps them on disk, so a run cut short
     keeps its rows)."""
     rounds = max(1, rounds)
@@ -340,7 +346,7 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print, mea
         small = name == "tiny"
         for phase in (p for p in phases if p != "per_call"):
             progress(f"model {name}: {phase}")
-            new = {"eager": lambda: eager_phases(name, device, rounds, small),
+            new = {"eager": lambda: eager_phases(name, device, rounds, small, (*MODES, FOLD) if fold else MODES),
                    "train": lambda: train_phases(name, device, rounds, small),
                    "compile": lambda: compile_phase(name, device, rounds),
                    "static": lambda: static_decode_phase(name, device, rounds)}[phase]()
@@ -360,7 +366,8 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print, mea
 def _line(r: dict) -> str:
     nan = float("nan")
     return (f"{r['config']:14} {r['phase']:48} {r['off_ms']:>9.3f} "
-            + " ".join(f"{r.get(f'{m}_ratio', nan):>6.3f}" for m in ("swap", "patch", "fuse", "control")))
+            + " ".join(f"{r.get(f'{m}_ratio', nan):>6.3f}" for m in ("swap", "patch", "fuse", "control"))
+            + (f"  fuse_fold {r[f'{FOLD}_ratio']:.3f}" if f"{FOLD}_ratio" in r else ""))
 
 
 _HEADER = (f"{'config':14} {'phase':48} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6} {'A/A':>6}  "
@@ -382,8 +389,9 @@ def print_report(result: dict) -> None:
 
 def markdown(result: dict) -> str:
     """The model phases as a markdown table (`bench --from-json RUN.json --markdown`)."""
-    lines = ["| model | phase | off ms | swap_linear | patch_linear | fuse | off again (A/A) |",
-             "|---|---|---|---|---|---|---|"]
+    fold = any(f"{FOLD}_ratio" in r for r in result["phases"])
+    lines = ["| model | phase | off ms | swap_linear | patch_linear | fuse |" + (" fuse, RMSNorm folded |" if fold else "")
+             + " off again (A/A) |", "|---|---|---|---|---|---|" + ("---|" if fold else "") + "---|"]
 
     def cell(r, m):
         lo_hi = r.get(f"{m}_interval")
@@ -392,7 +400,8 @@ def markdown(result: dict) -> str:
 
     for r in result["phases"]:
         lines.append(f"| {r['config']} | {r['phase']} | {r['off_ms']:.2f} | {cell(r, 'swap')} | "
-                     f"{cell(r, 'patch')} | {cell(r, 'fuse')} | {cell(r, 'control')} |")
+                     f"{cell(r, 'patch')} | {cell(r, 'fuse')} |" + (f" {cell(r, FOLD)} |" if fold else "")
+                     + f" {cell(r, 'control')} |")
     lines += ["", "| per call | torch µs | tritonmm µs | over |", "|---|---|---|---|"]
     for r in result["per_call"]:
         lines.append(f"| {r['row']} ({r['torch']} vs {r['tritonmm']}) | {r['torch_us']:.1f} | {r['tritonmm_us']:.1f} | "
