@@ -131,6 +131,32 @@ def test_no_folded_launcher_is_built_in_graph_capture(device, folds, monkeypatch
     _same(after, ref)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs")
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_captured_graph_of_a_folding_model_replays_its_eager_values(rows, folds):
+    """Warm-up calls on a side stream (torch's recipe) build and tune the folded launcher; the capture launches it
+    (no compiling there) and each replay recomputes from the input buffer's new values."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    ref, model = _unfused_and_fused(_model(device, dtype))
+    ids = torch.randint(0, 128, (1, rows), device=device)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(s):
+        for _ in range(3):
+            model(ids, use_cache=False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = model(ids, use_cache=False).logits
+    assert folds[-2:] == [True, True]  # (two layers, folded in the capture)
+    with torch.no_grad():
+        for _ in range(2):
+            ids.copy_(torch.randint(0, 128, (1, rows), device=device))
+            out.fill_(float("nan"))
+            graph.replay()
+            _same(out, ref(ids, use_cache=False).logits)
+
+
 def test_leaves_no_state_and_the_norm_alone_still_normalizes(device, folds, monkeypatch):
     model = tritonmm.fuse(_model(device, _dtypes()[0]))
     layer = model.model.layers[0]
