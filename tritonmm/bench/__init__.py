@@ -2,7 +2,8 @@
 
 Modules: :mod:`.cli` (the command line), :mod:`.timing` (wall time, run facts; paired GPU timing is
 :mod:`tritonmm.core.timing`), :mod:`.gemm` (per-GEMM rows on the shape suite, :mod:`tritonmm.tune.suite`),
-:mod:`.model` (a transformers Llama model, off / swapped / patched, and per-call host cost), :mod:`.report`
+:mod:`.model` (a transformers Llama model, off / swapped / patched / fused, and per-call host cost; its tables in
+:mod:`.model_report`), :mod:`.report`
 (tables, Markdown, CSV, plot), :mod:`.readme` (the README's table from the committed runs), :mod:`.cpu` (the
 interpreter check without a GPU). A tool over the public API (:mod:`tritonmm`), the package's top layer.
 """

@@ -22,6 +22,7 @@ from unittest import mock
 
 import torch
 
+from .model_report import _HEADER, FOLD, _line, markdown, print_report  # noqa: F401  (the module's reports)
 from .per_call import per_call_rows
 from .timing import collect_young, gc_paused, median_interval, wall_ms
 
@@ -37,7 +38,6 @@ CONFIGS = {
                  num_key_value_heads=2, vocab_size=512),
 }
 MODES = ("off", "swap", "patch", "fuse")
-FOLD = "fuse_fold"  # fuse with the RMSNorm fold (norm_fold.FOLD): eager and CUDA-graph phases, where asked for
 CONTROL = "control"
 """A second contender that is tritonmm off (the same calls as ``off``): its ratio is the A/A spread of the
 method on this host, the noise floor the other ratios are read against."""
@@ -66,10 +66,8 @@ def mode(name: str, model):
         tritonmm.swap_linear(model)
     if name == "patch":
         tritonmm.patch_linear()
-    if name == "fuse":
-        tritonmm.fuse(model)
-    if name == FOLD:
-        with mock.patch.object(norm_fold, "FOLD", True):
+    if name in ("fuse", FOLD):
+        with mock.patch.object(norm_fold, "FOLD", name == FOLD or norm_fold.FOLD):
             tritonmm.fuse(model)
     try:
         yield
@@ -253,8 +251,9 @@ def train_phases(name: str, device, rounds: int, small: bool) -> list[dict]:
 
 
 def compile_phase(name: str, device, rounds: int) -> list[dict]:
-    """torch.compile prefill 4 x 1024 (the last position's logits, :func:`prefill_kwargs`): one compiled copy of the model per mode, all reading the same parameters
-    and buffers (copies of the modules only, so that no mode gains or loses by where its weights lie)."""
+    """torch.compile prefill 4 x 1024 (the last position's logits, :func:`prefill_kwargs`): one compiled copy of the
+    model per mode, all reading the same parameters and buffers (copies of the modules only, so that no mode gains or
+    loses by where its weights lie)."""
     import tritonmm
 
     model = build_model(name, device, torch.bfloat16)
@@ -332,10 +331,10 @@ def _rewind(cache, length: int) -> None:
 
 
 def run(device, rounds: int = 15, configs=None, phases=None, progress=print, measured=None, fold=False) -> dict:
-    """Every phase of every config, then the per-call rows (``phases`` naming "per_call", as by default);
-    returns what the JSON holds. ``fold``: the eager and CUDA-graph phases also time :data:`FOLD`. ``rounds`` is rounded up to whole blocks (:func:`alternate`). ``measured(rows)``,
-    if given, gets the phase rows measured so far after each phase (the CLI keeps them on disk, so a run cut short
-    keeps its rows)."""
+    """Every phase of every config, then the per-call rows (``phases`` naming "per_call", as by default); returns what
+    the JSON holds. ``rounds`` is rounded up to whole blocks (:func:`alternate`). ``measured(rows)``, if given, gets the
+    phase rows measured so far after each phase (the CLI keeps them on disk, so a run cut short keeps its rows).
+    ``fold``: the eager and CUDA-graph phases also time :data:`FOLD`."""
     rounds = max(1, rounds)
     gpu = device.type == "cuda"
     configs = configs or (["small", "llama3-8b-2l"] if gpu else ["tiny"])
@@ -361,49 +360,3 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print, mea
         return {"phases": rows, "per_call": []}
     progress("measuring the per-call rows")
     return {"phases": rows, "per_call": per_call_rows(device)}
-
-
-def _line(r: dict) -> str:
-    nan = float("nan")
-    return (f"{r['config']:14} {r['phase']:48} {r['off_ms']:>9.3f} "
-            + " ".join(f"{r.get(f'{m}_ratio', nan):>6.3f}" for m in ("swap", "patch", "fuse", "control"))
-            + (f"  fuse_fold {r[f'{FOLD}_ratio']:.3f}" if f"{FOLD}_ratio" in r else ""))
-
-
-_HEADER = (f"{'config':14} {'phase':48} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6} {'A/A':>6}  "
-           "(off time / on time)")
-
-
-def print_report(result: dict) -> None:
-    print(_HEADER)
-    for r in result["phases"]:
-        print(_line(r))
-    if not result["per_call"]:
-        return
-    print("\nper call (µs): torch call, tritonmm call (medians over rounds), cost over torch (median over pairs of "
-          "rounds in opposite orders of the difference), ratio torch / (torch + cost)")
-    for r in result["per_call"]:
-        print(f"{r['row']:52} {r['torch']:>14} {r['torch_us']:>8.2f}  {r['tritonmm']:>16} {r['tritonmm_us']:>8.2f}  "
-              f"{r['over_us']:>+6.2f}  {r['ratio']:.3f}" + (f"  [{r['weight_plan']}]" if "weight_plan" in r else ""))
-
-
-def markdown(result: dict) -> str:
-    """The model phases as a markdown table (`bench --from-json RUN.json --markdown`)."""
-    fold = any(f"{FOLD}_ratio" in r for r in result["phases"])
-    lines = ["| model | phase | off ms | swap_linear | patch_linear | fuse |" + (" fuse, RMSNorm folded |" if fold else "")
-             + " off again (A/A) |", "|---|---|---|---|---|---|" + ("---|" if fold else "") + "---|"]
-
-    def cell(r, m):
-        lo_hi = r.get(f"{m}_interval")
-        return "-" if f"{m}_ratio" not in r else f"{r[f'{m}_ratio']:.3f}x" + (
-            f" ({lo_hi[0]:.3f}-{lo_hi[1]:.3f})" if lo_hi else "")
-
-    for r in result["phases"]:
-        lines.append(f"| {r['config']} | {r['phase']} | {r['off_ms']:.2f} | {cell(r, 'swap')} | "
-                     f"{cell(r, 'patch')} | {cell(r, 'fuse')} |" + (f" {cell(r, FOLD)} |" if fold else "")
-                     + f" {cell(r, 'control')} |")
-    lines += ["", "| per call | torch µs | tritonmm µs | over |", "|---|---|---|---|"]
-    for r in result["per_call"]:
-        lines.append(f"| {r['row']} ({r['torch']} vs {r['tritonmm']}) | {r['torch_us']:.1f} | {r['tritonmm_us']:.1f} | "
-                     f"{r['over_us']:+.2f} µs |")
-    return "\n".join(lines)
