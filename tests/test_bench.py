@@ -380,7 +380,7 @@ def test_median_interval_is_the_binomial_order_statistics():
 
 def test_model_rows_carry_an_interval_around_each_ratio(tmp_path, capsys):
     """Each mode's ratio comes with its interval (containing it), and the Markdown table shows it."""
-    from tritonmm.bench import model
+    from tritonmm.bench import model, model_report
 
     times = {m: [] for m in ("off", "swap", "control")}
     for r in range(12):
@@ -391,7 +391,7 @@ def test_model_rows_carry_an_interval_around_each_ratio(tmp_path, capsys):
         lo, hi = row[f"{m}_interval"]
         assert lo <= row[f"{m}_ratio"] <= hi
     assert row["swap_ratio"] == pytest.approx(1.1)
-    table = model.markdown({"phases": [row], "per_call": []})
+    table = model_report.markdown({"phases": [row], "per_call": []})
     assert f"{row['swap_ratio']:.3f}x ({row['swap_interval'][0]:.3f}-{row['swap_interval'][1]:.3f})" in table
 
 
@@ -472,13 +472,13 @@ def test_committed_runs_print_as_markdown(name, capsys):
 
 
 def test_model_report_without_per_call_rows_prints_no_per_call_section(capsys):
-    from tritonmm.bench import model
+    from tritonmm.bench import model_report
 
-    model.print_report({"phases": [], "per_call": []})
+    model_report.print_report({"phases": [], "per_call": []})
     assert "per call" not in capsys.readouterr().out
-    model.print_report({"phases": [], "per_call": [{"row": "F.linear, grad", "torch": "F.linear", "torch_us": 1.0,
-                                                    "tritonmm": "tritonmm.linear", "tritonmm_us": 1.5, "over_us": 0.5,
-                                                    "ratio": 2 / 3}]})
+    model_report.print_report({"phases": [], "per_call": [{"row": "F.linear, grad", "torch": "F.linear",
+                                                           "torch_us": 1.0, "tritonmm": "tritonmm.linear",
+                                                           "tritonmm_us": 1.5, "over_us": 0.5, "ratio": 2 / 3}]})
     assert "per call" in capsys.readouterr().out
 
 

@@ -45,7 +45,7 @@ import torch
 import tritonmm
 
 from ..tune.suite import DTYPES, default_suite, load_suite
-from . import mlp, model, per_call, readme
+from . import mlp, model, model_report, per_call, readme
 from .cpu import cpu_check
 from .gemm import bench_linear_row, bench_matmul_row, inductor_pass
 from .model import CONFIGS
@@ -133,7 +133,7 @@ def model_main(args) -> int:
 
         result = model.run(device, args.rounds, args.model_configs, args.model_phases, progress=_status,
                            measured=measured if args.json else None, fold=args.fold)
-    model.print_report(result)
+    model_report.print_report(result)
     if args.json:
         _write_json(args, result)
     return 0

@@ -22,7 +22,7 @@ from unittest import mock
 
 import torch
 
-from .model_report import _HEADER, FOLD, _line, markdown, print_report  # noqa: F401  (the module's reports)
+from .model_report import _HEADER, FOLD, _line
 from .per_call import per_call_rows
 from .timing import collect_young, gc_paused, median_interval, wall_ms
 

@@ -194,8 +194,8 @@ def _render(args, data):
         ValueError: ``data`` is neither.
     """
     if isinstance(data, dict) and isinstance(data.get("phases"), list):  # a --model run
-        from .model import markdown as model_markdown
-        from .model import print_report
+        from .model_report import markdown as model_markdown
+        from .model_report import print_report
 
         print(model_markdown(data) if args.markdown else "", end="\n" if args.markdown else "")
         if not args.markdown:

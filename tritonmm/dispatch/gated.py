@@ -263,12 +263,18 @@ def replay(x, wg, wu, bg, bu, activation):
     return run
 
 
+def _norm_key(key: tuple, eps: float, norm_weight: Tensor) -> tuple:
+    """A folded launcher's key: the plain gated launcher's, the norm's epsilon and its weight's alignment."""
+    return key, eps, norm_weight.data_ptr() % 16 == 0
+
+
 def norm_forward(x: Tensor, norm_weight: Tensor, eps: float, w_gate: Tensor, w_up: Tensor, b_gate, b_up,
                  activation: str) -> Optional[Tensor]:
     """``gated_linear(norm(x), ...)`` without autograd for the RMSNorm ``norm`` (transformers' ``LlamaRMSNorm``:
     ``norm_weight``, ``eps``) as one launch of the pointer kernel with the norm in its loads, for a geometry whose
     gated linear that kernel already serves (its launcher built and decided, on up to :data:`GATED_MAX_M` rows),
-    with a config of its own (autotuned on its first launch, which is never in CUDA graph capture). Operands as :func:`~tritonmm.ops.gated_args.kernel_shaped` takes them (the caller checks).
+    with a config of its own (autotuned on its first launch, which is never in CUDA graph capture). Operands as
+    :func:`~tritonmm.ops.gated_args.kernel_shaped` takes them (the caller checks).
     None where it does not serve (not built yet, the torch expression, another path, autocast, a mode, a failed
     launch): the caller normalizes ``x`` and calls the gated linear."""
     from ..kernels.gated_launchers import gated_launcher
@@ -288,7 +294,7 @@ def norm_forward(x: Tensor, norm_weight: Tensor, eps: float, w_gate: Tensor, w_u
         return None
     w_gate, w_up = _unit_last(w_gate), _unit_last(w_up)
     key = _launcher_key("pointer", x2, w_gate, w_up, b_gate, b_up, False, activation, None)
-    nkey = (key, eps, norm_weight.data_ptr() % 16 == 0)
+    nkey = _norm_key(key, eps, norm_weight)
     launch = _norm_launchers.get(nkey)
     if launch is None:
         plain = _launchers.get(key)  # (its config None: not built, torch, failed, or not yet tuned)
@@ -324,7 +330,7 @@ def norm_replay(x: Tensor, norm_weight: Tensor, eps: float, w_gate: Tensor, w_up
     if x2.data_ptr() != x.data_ptr() or x2.stride(-1) != 1 or w_gate.stride(-1) != 1 or w_up.stride(-1) != 1:
         return None
     key = _launcher_key("pointer", x2, w_gate, w_up, b_gate, b_up, False, activation, None)
-    launch = _norm_launchers.get((key, eps, norm_weight.data_ptr() % 16 == 0))
+    launch = _norm_launchers.get(_norm_key(key, eps, norm_weight))
     if launch is None or launch is _TORCH:
         return None
     shape, dtype, device = (*x.shape[:-1], N), x.dtype, x.device

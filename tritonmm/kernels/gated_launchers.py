@@ -128,6 +128,8 @@ def gated_launcher(kernel: str, M: int, N: int, K: int, stride_x: int, stride_wg
     sms = _device.num_sms(device)
     strides = (M, N, K, stride_x, stride_wg, stride_wu, *(bias_strides or (0, 0)))
     buckets = (_cfg.bucket(M), _cfg.bucket(N), _cfg.bucket(K))
+    eps = 0.0 if norm_eps is None else float(norm_eps)
+    tail = (*strides, *buckets) if kernel == "tma" else (*strides, eps, *buckets)  # (every launch's last arguments)
     meta = dict(HAS_BIAS=bias_strides is not None, SAVE=save, ACTIVATION=activation,
                 INPUT_PRECISION=input_precision(dtype, device), UPCAST=interpreting() and dtype == torch.bfloat16)
     if kernel == "tma":
@@ -138,7 +140,6 @@ def gated_launcher(kernel: str, M: int, N: int, K: int, stride_x: int, stride_wg
         meta["NORM"] = norm_eps is not None
         meta["NORM_ONE_PASS"] = norm_eps is not None and dtype != torch.float16  # (the kernel's docstring)
         fn = _gated_kernel
-    eps = 0.0 if norm_eps is None else float(norm_eps)
 
     def grid(META):
         tiles = triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])
@@ -148,13 +149,13 @@ def gated_launcher(kernel: str, M: int, N: int, K: int, stride_x: int, stride_wg
 
     def launch(x, wg, wu, bg, bu, h, g, u, nw=None):
         nonlocal direct
-        head = (x, wg, wu, h if bg is None else bg, h if bu is None else bu, h, h if g is None else g,
-                h if u is None else u)
         if kernel == "tma":
             ensure_allocator()
-            args = (*head, *strides, *buckets)
+            args = (x, wg, wu, h if bg is None else bg, h if bu is None else bu, h, h if g is None else g,
+                    h if u is None else u, *tail)
         else:
-            args = (*head, h if nw is None else nw, *strides, eps, *buckets)
+            args = (x, wg, wu, h if bg is None else bg, h if bu is None else bu, h, h if g is None else g,
+                    h if u is None else u, h if nw is None else nw, *tail)
         if direct is not None:
             direct(args)
             return
