@@ -9,7 +9,7 @@
 #           tests/test_copy.py tests/test_first_sight.py tests/test_padded.py tests/test_gpu_reliability.py" (about 4))
 #   model   python -m tritonmm.bench --model -> $OUT/h200_model.json (MODEL_ARGS adds flags, e.g. one config per
 #           device call: --model-configs small --model-phases eager train compile, and the per-call rows in a call of
-#           their own: --model-phases per_call; --fold adds fuse with the RMSNorm fold in the eager and CUDA-graph
+#           their own: --model-phases per_call; --unfolded adds fuse without the RMSNorm folds in the eager and CUDA-graph
 #           phases; the JSON is rewritten after each phase, so a run cut short keeps them)
 #   mlp     python -m tritonmm.bench --mlp -> $OUT/h200_mlp.json (MLP_ARGS adds flags)
 #   first_sight  python -m tritonmm.bench --first-sight -> $OUT/h200_first_sight.json

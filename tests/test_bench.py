@@ -217,9 +217,9 @@ def test_model_benchmark_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert "| tiny | eager prefill 1 x 16 |" in capsys.readouterr().out
 
 
-def test_model_benchmark_times_the_fold_where_asked(tmp_path, monkeypatch, capsys):
-    """--fold: the eager phases also time fuse with the RMSNorm fold (its own mode and column), fusing with the
-    switch on and leaving it as it was."""
+def test_model_benchmark_times_fuse_without_the_fold_where_asked(tmp_path, monkeypatch, capsys):
+    """--unfolded: the eager phases also time fuse without the RMSNorm folds (its own mode and column), fusing with
+    the switch off and leaving it as it was; fuse itself folds (the default)."""
     pytest.importorskip("transformers")
     import torch
 
@@ -238,13 +238,13 @@ def test_model_benchmark_times_the_fold_where_asked(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(tritonmm, "fuse", spy)
     out = tmp_path / "model.json"
-    assert bench.main(["--model", "--rounds", "1", "--model-phases", "eager", "--fold", "--json", str(out)]) == 0
+    assert bench.main(["--model", "--rounds", "1", "--model-phases", "eager", "--unfolded", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["phases"]
-    assert rows and all(r["fuse_fold_ratio"] > 0 and r["fuse_ratio"] > 0 for r in rows)
-    assert True in folding and False in folding and norm_fold.FOLD is False
-    assert "fuse_fold" in capsys.readouterr().out
+    assert rows and all(r["fuse_unfolded_ratio"] > 0 and r["fuse_ratio"] > 0 for r in rows)
+    assert True in folding and False in folding and norm_fold.FOLD is True
+    assert "fuse_unfolded" in capsys.readouterr().out
     assert bench.main(["--from-json", str(out), "--markdown"]) == 0
-    assert "| fuse, RMSNorm folded |" in capsys.readouterr().out
+    assert "| fuse, no RMSNorm fold |" in capsys.readouterr().out
 
 
 def test_prefill_keeps_the_last_positions_logits_only():

@@ -212,7 +212,7 @@ class _OutputKept(_TwiceRead):
 
 def test_only_layers_that_pass_the_norm_straight_to_the_mlp_fold(device):
     inner = _model(device, _dtypes()[0]).model.layers[0]
-    assert norm_fold.fold_pairs(type(inner)) == (("mlp", "post_attention_layernorm"),)
+    assert norm_fold.fold_pairs(type(inner)) == (("self_attn", "input_layernorm"), ("mlp", "post_attention_layernorm"))
     assert norm_fold.fold_pairs(_TwiceRead) == (("mlp", "norm"),)
     assert norm_fold.fold_pairs(_OutputKept) == ()
     kept = tritonmm.fuse(_OutputKept(inner))

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .core import activations, layout, modes, shapes
 from .core.env import raw_env, raw_name
-from .dispatch import decide, first_sight, runners, tuned
+from .dispatch import decide, first_sight, norm_linear, runners, tuned
 from .dispatch.plans import free_ptrs, plans
 from .kernels import configs
 from .ops import eager, gated, routes
@@ -211,6 +211,7 @@ def forget_decisions() -> None:
     routes.clear()
     runners.clear_cache()
     gated.clear_cache()
+    norm_linear.clear_cache()
     decide.state_changed()
 
 

@@ -83,9 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --model: which configs (default: small and llama3-8b-2l on a GPU, tiny without)")
     p.add_argument("--model-phases", nargs="+", choices=["eager", "train", "compile", "static", "per_call"], default=None,
                    help="with --model: which phases (default: all, the per-call rows last; compile and static need a GPU)")
-    p.add_argument("--fold", action="store_true",
-                   help="with --model: the eager and CUDA-graph phases also time fuse with the RMSNorm fold "
-                        "(tritonmm.modules.norm_fold.FOLD), as the mode fuse_fold")
+    p.add_argument("--unfolded", action="store_true",
+                   help="with --model: the eager and CUDA-graph phases also time fuse without the RMSNorm folds "
+                        "(tritonmm.modules.norm_fold.FOLD off), as the mode fuse_unfolded")
     p.add_argument("--rounds", type=int, default=15, help="with --model / --mlp: rounds of alternation (default 15)")
     p.add_argument("--mlp", action="store_true",
                    help="the MLP-block benchmark: transformers' LlamaMLP eager vs tritonmm.fuse, the cuBLAS bound and "
@@ -132,7 +132,7 @@ def model_main(args) -> int:
             _write_json(args, {"phases": rows, "per_call": [], "partial": True}, facts)
 
         result = model.run(device, args.rounds, args.model_configs, args.model_phases, progress=_status,
-                           measured=measured if args.json else None, fold=args.fold)
+                           measured=measured if args.json else None, unfolded=args.unfolded)
     model_report.print_report(result)
     if args.json:
         _write_json(args, result)

@@ -22,7 +22,7 @@ from unittest import mock
 
 import torch
 
-from .model_report import _HEADER, FOLD, _line
+from .model_report import _HEADER, UNFOLDED, _line
 from .per_call import per_call_rows
 from .timing import collect_young, gc_paused, median_interval, wall_ms
 
@@ -58,7 +58,7 @@ def build_model(name: str, device, dtype):
 def mode(name: str, model):
     """tritonmm off, swapped into ``model`` (``swap_linear``), patched into nn.Linear (``patch_linear``), or
     fused (``fuse``: each MLP's gate and up as one gated GEMM, each attention's q, k and v as one GEMM in
-    captured CUDA graphs; the other linears stay nn.Linear), or fused with the RMSNorm fold (:data:`FOLD`)."""
+    captured CUDA graphs; the other linears stay nn.Linear), or fused without the RMSNorm folds (:data:`UNFOLDED`)."""
     import tritonmm
     from tritonmm.modules import norm_fold
 
@@ -66,8 +66,8 @@ def mode(name: str, model):
         tritonmm.swap_linear(model)
     if name == "patch":
         tritonmm.patch_linear()
-    if name in ("fuse", FOLD):
-        with mock.patch.object(norm_fold, "FOLD", name == FOLD or norm_fold.FOLD):
+    if name in ("fuse", UNFOLDED):
+        with mock.patch.object(norm_fold, "FOLD", name == "fuse" and norm_fold.FOLD):
             tritonmm.fuse(model)
     try:
         yield
@@ -76,7 +76,7 @@ def mode(name: str, model):
             tritonmm.unswap_linear(model)
         if name == "patch":
             tritonmm.unpatch_linear()
-        if name in ("fuse", FOLD):
+        if name in ("fuse", UNFOLDED):
             tritonmm.unfuse(model, unpack=False)  # (packed once: no copies between samples)
 
 
@@ -330,11 +330,11 @@ def _rewind(cache, length: int) -> None:
             layer.cumulative_length = length
 
 
-def run(device, rounds: int = 15, configs=None, phases=None, progress=print, measured=None, fold=False) -> dict:
+def run(device, rounds: int = 15, configs=None, phases=None, progress=print, measured=None, unfolded=False) -> dict:
     """Every phase of every config, then the per-call rows (``phases`` naming "per_call", as by default); returns what
     the JSON holds. ``rounds`` is rounded up to whole blocks (:func:`alternate`). ``measured(rows)``, if given, gets the
     phase rows measured so far after each phase (the CLI keeps them on disk, so a run cut short keeps its rows).
-    ``fold``: the eager and CUDA-graph phases also time :data:`FOLD`."""
+    ``unfolded``: the eager and CUDA-graph phases also time :data:`UNFOLDED`."""
     rounds = max(1, rounds)
     gpu = device.type == "cuda"
     configs = configs or (["small", "llama3-8b-2l"] if gpu else ["tiny"])
@@ -345,7 +345,7 @@ def run(device, rounds: int = 15, configs=None, phases=None, progress=print, mea
         small = name == "tiny"
         for phase in (p for p in phases if p != "per_call"):
             progress(f"model {name}: {phase}")
-            new = {"eager": lambda: eager_phases(name, device, rounds, small, (*MODES, FOLD) if fold else MODES),
+            new = {"eager": lambda: eager_phases(name, device, rounds, small, (*MODES, UNFOLDED) if unfolded else MODES),
                    "train": lambda: train_phases(name, device, rounds, small),
                    "compile": lambda: compile_phase(name, device, rounds),
                    "static": lambda: static_decode_phase(name, device, rounds)}[phase]()

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-FOLD = "fuse_fold"  # fuse with the RMSNorm fold (norm_fold.FOLD): eager and CUDA-graph phases, where asked for
+UNFOLDED = "fuse_unfolded"  # fuse without the RMSNorm folds (norm_fold.FOLD off): eager and CUDA-graph phases, where asked
 
 
 def _line(r: dict) -> str:
     nan = float("nan")
     return (f"{r['config']:14} {r['phase']:48} {r['off_ms']:>9.3f} "
             + " ".join(f"{r.get(f'{m}_ratio', nan):>6.3f}" for m in ("swap", "patch", "fuse", "control"))
-            + (f"  fuse_fold {r[f'{FOLD}_ratio']:.3f}" if f"{FOLD}_ratio" in r else ""))
+            + (f"  fuse_unfolded {r[f'{UNFOLDED}_ratio']:.3f}" if f"{UNFOLDED}_ratio" in r else ""))
 
 
 _HEADER = (f"{'config':14} {'phase':48} {'off ms':>9} {'swap':>6} {'patch':>6} {'fuse':>6} {'A/A':>6}  "
@@ -31,9 +31,9 @@ def print_report(result: dict) -> None:
 
 def markdown(result: dict) -> str:
     """The model phases as a markdown table (`bench --from-json RUN.json --markdown`)."""
-    cols = {"swap": "swap_linear", "patch": "patch_linear", "fuse": "fuse", FOLD: "fuse, RMSNorm folded",
+    cols = {"swap": "swap_linear", "patch": "patch_linear", "fuse": "fuse", UNFOLDED: "fuse, no RMSNorm fold",
             "control": "off again (A/A)"}
-    cols = {m: t for m, t in cols.items() if m != FOLD or any(f"{FOLD}_ratio" in r for r in result["phases"])}
+    cols = {m: t for m, t in cols.items() if m != UNFOLDED or any(f"{UNFOLDED}_ratio" in r for r in result["phases"])}
     lines = ["| model | phase | off ms | " + " | ".join(cols.values()) + " |", "|---" * (3 + len(cols)) + "|"]
 
     def cell(r, m):

@@ -6,5 +6,6 @@ tables as files), :mod:`.tuned` (this GPU's entries), :mod:`.first_sight` (measu
 :mod:`.plans` (weights that never reach a Triton kernel), :mod:`.runners` (one cached runner per operand geometry),
 :mod:`.padded` (cuBLAS on zero-padded aligned copies); the gated linear's paths: :mod:`.gated` (by size; its
 launchers and replays), :mod:`.gated_cublas` (cuBLAS projections and the one-pass product, the gated GEMM on packed
-weights), :mod:`.gated_tuning` (its table entries and first-sight measurement).
+weights), :mod:`.gated_tuning` (its table entries and first-sight measurement); :mod:`.norm_linear` (a GEMM with the
+RMSNorm before it in its loads, at decode sizes).
 """

@@ -23,9 +23,10 @@
 * **Attention projections** (Llama, Mistral, Qwen2, Qwen3): where ``q_proj``, ``k_proj`` and ``v_proj``
   read the attention's hidden states, their packed weights run as one cuBLAS GEMM while a CUDA graph of an
   inference forward is captured (:mod:`tritonmm.modules.qkv`); with ``pack=False`` attentions are not fused.
-* **RMSNorm into the MLP** (with :data:`tritonmm.modules.norm_fold.FOLD` on): a decoder layer that passes an
-  RMSNorm's output straight to a fused MLP (Llama-family layers) has the norm computed in the gated kernel's loads
-  in inference calls of up to 16 rows (:mod:`tritonmm.modules.norm_fold`).
+* **RMSNorms into the GEMMs after them** (while :data:`tritonmm.modules.norm_fold.FOLD` is on, as by default): a
+  decoder layer that passes an RMSNorm's output straight to a fused MLP, or to a fused attention (Llama-family
+  layers), has the norm computed in the gated kernel's loads, or in the q/k/v GEMM's, in inference calls of up to
+  16 rows (:mod:`tritonmm.modules.norm_fold`).
 
 Like :func:`tritonmm.swap_linear`, ``fuse`` changes the module's class in place to a subclass, so
 parameters, ``state_dict``, hooks, tied weights and ``isinstance`` are untouched. By default it also
@@ -113,8 +114,8 @@ def fusable(module: nn.Module) -> bool:
 
 
 def _kind(cls: type) -> Optional[str]:
-    """What a fused class fuses: "mlp", "attention", "sequential" or "layer" (a norm folded into its MLP); None for
-    other classes."""
+    """What a fused class fuses: "mlp", "attention", "sequential" or "layer" (norms folded into the GEMMs after
+    them); None for other classes."""
     if "_tritonmm_fused_base" not in cls.__dict__:  # (a settled fused Sequential's class carries the mark too)
         return None
     forward = cls.forward
@@ -292,7 +293,8 @@ def fuse(model: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]]
          pack: bool = True) -> nn.Module:
     """Fuse, in place, every gated MLP of ``model`` (gate and up as one GEMM), every Linear directly
     followed by a known activation module in an ``nn.Sequential`` (the activation in the GEMM's epilogue),
-    with ``norm_fold.FOLD`` every decoder layer's RMSNorm before a fused MLP (:mod:`tritonmm.modules.norm_fold`)
+    with ``norm_fold.FOLD`` every decoder layer's RMSNorms before a fused MLP or attention
+    (:mod:`tritonmm.modules.norm_fold`)
     and, with ``pack``, every attention whose q, k and v projections read its hidden states (one GEMM while a CUDA
     graph of an inference forward is captured, :mod:`tritonmm.modules.qkv`).
 

@@ -1,4 +1,4 @@
-"""An RMSNorm folded into the gated GEMM that reads its output, at decode sizes.
+"""RMSNorms folded into the GEMMs that read their outputs, at decode sizes: the gated MLP's and the attention's q/k/v.
 
 In a Llama-family decoder layer the MLP's input is an RMSNorm's output (``post_attention_layernorm``), which eager
 mode computes in eight kernels (cast, square, mean, add, rsqrt, scale, cast, weight) before the MLP reads it.
@@ -14,13 +14,19 @@ a hook, a keyword argument, another thread) runs the norm's own forward. The MLP
 runs the folded kernel, or the norm's own forward first where it cannot (a geometry the gated kernel does not
 serve yet, hooks, another path). Both attributes are removed when the layer's forward returns or raises.
 
+The same for the attention after ``input_layernorm``: a fused attention whose forward reads its input only as its
+projections' argument and as ``.shape`` (:func:`tritonmm.modules.qkv.reads_shape_only`) is handed the norm's input,
+and its one q/k/v GEMM reads it through the norm (:func:`tritonmm.dispatch.norm_linear.norm_linear`); where it cannot
+serve the call, it passes the norm's output on to its forward.
+
 Which layers (:func:`fold_pairs`, read once per class from its forward's source with :mod:`ast`): the forward
-assigns ``X = self.<norm>(...)`` and its next statement is ``X = self.<mlp>(X)``, so nothing else reads the norm's
-output; ``<norm>`` is a module whose class's forward is transformers' ``LlamaRMSNorm.forward`` (compared as
-bytecode: Mistral's, Qwen2's and Qwen3's are the same), with a ``weight`` parameter and a float
-``variance_epsilon``, and ``<mlp>`` a fused gated MLP. Calls with autograd, under ``torch.compile`` (Inductor fuses
-the norm itself), with hooks on the norm, the MLP or globally, or an instance ``forward`` on either run the layer
-as it is.
+assigns ``X = self.<norm>(...)`` and its next statement rebinds X to ``self.<consumer>(...)`` called with X once
+(positionally first or by keyword: ``X = self.<mlp>(X)``, ``X, _ = self.self_attn(hidden_states=X, ...)``), so
+nothing else reads the norm's output; ``<norm>`` is a module whose class's forward is transformers'
+``LlamaRMSNorm.forward`` (compared as bytecode: Mistral's, Qwen2's and Qwen3's are the same), with a ``weight``
+parameter and a float ``variance_epsilon``, and ``<consumer>`` a fused gated MLP (called positionally) or such a
+fused attention. Calls with autograd, under ``torch.compile`` (Inductor fuses the norm itself), with hooks on the
+norm, the consumer or globally, or an instance ``forward`` on either run the layer as it is.
 """
 
 from __future__ import annotations
@@ -38,11 +44,11 @@ from torch import nn
 from ..dispatch.gated import GATED_MAX_M
 from .plain import MODULE_CALL, any_hooked, code_form
 
-FOLD = False
-"""Whether :func:`tritonmm.fuse` makes folding layers; layers made while it was on keep folding. Off by default: on an
-H100 the fold makes CUDA-graph replays and eager decode faster (``benchmarks/diagnostics/h100_replay_kernels.json``,
-``h100_decode_path_ab.json``), but that 1 x 512 eager prefill, where nothing folds, was slower than ``fuse`` without the
-fold, in a version that armed the fold for inputs of any rows; the current one is not measured there yet."""
+FOLD = True
+"""Whether :func:`tritonmm.fuse` makes folding layers; layers made while it was on keep folding. On an H100, ``fuse``
+with the folds ran the 8B-sized model's eager decode 1.105x (1 sequence) and 1.093x (16) of off, where ``fuse``
+without them read 0.978x and 0.986x, and its 1 x 16 CUDA-graph replay 1.114x against 1.044x; the 1 x 512 eager
+prefill, where nothing folds, read 0.964x against 0.978x (``benchmarks/diagnostics/h100_model_fold.json``)."""
 
 
 def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # transformers', verbatim
@@ -88,12 +94,31 @@ def _assigned(stmt) -> Optional[str]:
     return None
 
 
+def _passed(stmt, name: str) -> Optional[tuple]:
+    """``(attr, key)`` where ``stmt`` rebinds ``name`` (alone or in a tuple) to ``self.<attr>(...)`` and that call reads
+    ``name`` once: as its first positional argument (``key`` None) or as keyword ``key``; else None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.value, ast.Call)):
+        return None
+    target, call = stmt.targets[0], stmt.value
+    names = target.elts if isinstance(target, ast.Tuple) else [target]
+    if not any(isinstance(t, ast.Name) and t.id == name for t in names) or not isinstance(call.func, ast.Attribute) \
+            or not isinstance(call.func.value, ast.Name) or call.func.value.id != "self":
+        return None
+    if sum(isinstance(n, ast.Name) and n.id == name for n in ast.walk(call)) != 1:
+        return None
+    if call.args and isinstance(call.args[0], ast.Name) and call.args[0].id == name:
+        return call.func.attr, None
+    key = [k.arg for k in call.keywords if isinstance(k.value, ast.Name) and k.value.id == name]
+    return (call.func.attr, key[0]) if key and key[0] is not None else None
+
+
 _pairs: dict = {}
 
 
 def _analysed(forward) -> tuple:
     """(pairs, sites) of a layer's ``forward``: :func:`fold_pairs`'s pairs, and for each norm attribute the code object
-    and the lines of its statement (where :class:`Pending` hands the input back)."""
+    and the lines of its statement (where :class:`Pending` hands the input back) and how the next statement passes
+    the norm's output on (None: first positional argument; else the keyword)."""
     hit = _pairs.get(forward)
     if hit is not None:
         return hit
@@ -107,10 +132,10 @@ def _analysed(forward) -> tuple:
     for first, second in zip(body, body[1:]):
         name = _assigned(first)
         norm = _self_call(first.value) if name else None
-        mlp = _self_call(second.value, name) if norm and _assigned(second) == name else None
-        if mlp and getattr(fn, "__code__", None) is not None:
-            pairs.append((mlp, norm))
-            sites[norm] = (fn.__code__, start + first.lineno - 1, start + first.end_lineno - 1)
+        passed = _passed(second, name) if norm else None
+        if passed and getattr(fn, "__code__", None) is not None:
+            pairs.append((passed[0], norm))
+            sites[norm] = (fn.__code__, start + first.lineno - 1, start + first.end_lineno - 1, passed[1])
     if len(_pairs) >= 1024:
         _pairs.clear()
     hit = _pairs[forward] = (tuple(pairs), sites)
@@ -135,11 +160,13 @@ def subclassable(cls: type) -> bool:
 
 
 def foldable(module) -> bool:
-    """Whether :func:`tritonmm.fuse` makes ``module`` a folding layer (with :data:`FOLD` on): a pair of :func:`fold_pairs` whose norm is
-    :func:`rms_norm` and whose MLP is fused (its class marked ``_tritonmm_takes_norm``)."""
+    """Whether :func:`tritonmm.fuse` makes ``module`` a folding layer (with :data:`FOLD` on): a pair of
+    :func:`fold_pairs` whose norm is :func:`rms_norm` and whose consumer is fused to take the norm's input (its class
+    marked ``_tritonmm_takes_norm``: a gated MLP, or an attention whose q/k/v run as one GEMM)."""
     mods = module._modules
-    return subclassable(type(module)) and any(rms_norm(mods.get(n)) and getattr(type(mods.get(m)), "_tritonmm_takes_norm", False)
-               for m, n in fold_pairs(type(module)))
+    return subclassable(type(module)) and any(
+        rms_norm(mods.get(n)) and getattr(type(mods.get(m)), "_tritonmm_takes_norm", False)
+        for m, n in fold_pairs(type(module)))
 
 
 _MODULE_CALLS = nn.Module._call_impl.__code__.co_filename  # (torch's module call machinery: frames skipped)
@@ -152,10 +179,10 @@ class Pending:
     armed it; every other call runs the norm's own forward. Copies and pickles taken meanwhile are
     :class:`_Stale`."""
 
-    __slots__ = ("norm", "x", "thread", "site")
+    __slots__ = ("norm", "x", "thread", "site", "key")
 
     def __init__(self, norm, site):
-        self.norm, self.x, self.thread, self.site = norm, None, _get_ident(), site
+        self.norm, self.x, self.thread, self.site, self.key = norm, None, _get_ident(), site[:3], site[3]
 
     def __call__(self, *args, **kwargs):
         x = args[0] if len(args) == 1 and not kwargs else None
@@ -213,9 +240,11 @@ def _folding_forward(self, *args, **kwargs):
     pairs, sites = _analysed(base.forward)
     for m, n in pairs:
         mlp, norm = mods.get(m), mods.get(n)
+        site = sites[n]
         if getattr(type(mlp), "_tritonmm_takes_norm", False) and rms_norm(norm) and not any_hooked(norm, mlp) \
-                and "_tritonmm_norm" not in mlp.__dict__:
-            pending = Pending(norm, sites[n])
+                and "_tritonmm_norm" not in mlp.__dict__ \
+                and (site[3] is None or getattr(type(mlp).forward, "_tritonmm_qkv", False)):
+            pending = Pending(norm, site)
             norm.__dict__["forward"] = mlp.__dict__["_tritonmm_norm"] = pending
             armed.append((norm, mlp, pending))
     try:

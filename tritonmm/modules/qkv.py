@@ -2,7 +2,9 @@
 inference forward is captured a fused attention module runs them as x @ [Wq; Wk; Wv]^T, one cuBLAS GEMM on
 weights :func:`tritonmm.fuse` packed into one allocation (:mod:`tritonmm.modules.packing`, biases too where all three
 have one): one launch and one weight read instead of three in every replay of the graph. In eager mode the
-three run as they are (:data:`SERVE_EAGER`).
+three run as they are (:data:`SERVE_EAGER`), except in a folding decoder layer (:mod:`tritonmm.modules.norm_fold`),
+whose input RMSNorm hands the attention its own input: then the one GEMM, in eager calls too, reads it through the
+norm (:func:`_Shared.linear`), and every call that is not served gets the norm's output.
 
 An attention module qualifies (:func:`fusable`) when its children ``q_proj``, ``k_proj`` and ``v_proj`` are
 nn.Linear modules running nn.Linear's forward (or tritonmm's) with one ``in_features``, and its forward
@@ -37,7 +39,8 @@ import torch.nn.functional as F
 
 from ..core import modes
 from ..core.env import interpreting
-from . import packing
+from ..dispatch.norm_linear import norm_linear
+from . import norm_fold, packing
 from .plain import linear_type, plain_linear
 
 NAMES = ("q_proj", "k_proj", "v_proj")
@@ -103,6 +106,35 @@ def input_name(forward) -> Optional[str]:
                                            and ins[j - 1].argval in NAMES and ins[j].opname in _LOADS):
             return None
     return name
+
+
+def reads_shape_only(forward, name: str) -> bool:
+    """Whether ``forward`` (decorators unwrapped) reads its parameter ``name`` only as q_proj's, k_proj's and
+    v_proj's argument (:func:`input_name`'s calls) and as ``name.shape``, and never rebinds it or closes over it: then
+    it may be called with an RMSNorm's input in place of the norm's output, the projections computing the norm
+    (:mod:`tritonmm.modules.norm_fold`)."""
+    fn = inspect.unwrap(forward)
+    code = getattr(fn, "__code__", None)
+    if code is None or name in code.co_cellvars:
+        return False
+    ins = [i for i in dis.get_instructions(fn) if i.opname not in ("CACHE", "EXTENDED_ARG", "NOP")]
+    for j, i in enumerate(ins):
+        if "FAST" not in i.opname or name not in _names(i):
+            continue
+        if i.opname not in _LOADS or j + 1 >= len(ins):
+            return False  # rebound, deleted, or loaded with another name
+        prev, nxt = ins[j - 1], ins[j + 1]
+        if not (prev.opname in ("LOAD_ATTR", "LOAD_METHOD") and prev.argval in NAMES and nxt.opname in _CALLS
+                or nxt.opname == "LOAD_ATTR" and nxt.argval == "shape"):
+            return False
+    return True
+
+
+def takes_norm(forward) -> bool:
+    """Whether an attention with this ``forward`` may be called with an RMSNorm's input (:func:`input_name` and
+    :func:`reads_shape_only`)."""
+    name = input_name(forward)
+    return name is not None and reads_shape_only(forward, name)
 
 
 def projections(module) -> Optional[tuple]:
@@ -183,14 +215,25 @@ def drop(module) -> None:
 
 class _Shared:
     """One attention forward's GEMM: run by the first projection called with ``x`` (lazily, so it reads ``x``
-    as it is then), its outputs and the versions of what it read."""
+    as it is then), its outputs and the versions of what it read. With ``norm`` (a :class:`norm_fold.Pending`), ``x``
+    is that RMSNorm's input and the GEMM reads the norm's output: computed in its loads
+    (:func:`tritonmm.dispatch.norm_linear.norm_linear`) or, where that kernel does not serve, by the norm first."""
 
-    __slots__ = ("x", "w", "b", "sizes", "params", "outs", "version", "versions", "ptrs")
+    __slots__ = ("x", "w", "b", "sizes", "params", "outs", "version", "versions", "ptrs", "norm")
 
-    def __init__(self, x, packed):
-        self.x = x
+    def __init__(self, x, packed, norm=None):
+        self.x, self.norm = x, norm
         self.w, self.b, self.sizes, self.params = packed
         self.outs = self.version = self.versions = self.ptrs = None
+
+    def linear(self, x):
+        """``F.linear`` of ``x`` (through the norm, with one) and the packed weights."""
+        norm = self.norm
+        if norm is None:
+            return _F_linear(x, self.w, self.b)
+        m = norm.norm
+        y = norm_linear(x, m._parameters["weight"], m.variance_epsilon, self.w, self.b)
+        return _F_linear(norm.normalize(x), self.w, self.b) if y is None else y
 
     def run(self) -> None:
         """The GEMM; ``outs`` is set last (another thread may read the attributes as soon as it is set), to
@@ -200,7 +243,7 @@ class _Shared:
             versions = tuple(p._version if p is not None else 0 for p in self.params)
             ptrs = tuple(p.data_ptr() if p is not None else 0 for p in self.params)  # (``.data =`` keeps _version)
             version = x._version
-            outs = _F_linear(x, self.w, self.b).split_with_sizes(self.sizes, -1)
+            outs = self.linear(x).split_with_sizes(self.sizes, -1)
         except RuntimeError:  # dtypes, devices or sizes differ (each projection raises torch's own error), or an
             outs = ()  # inference-tensor parameter (no version counter)
         else:
@@ -234,13 +277,15 @@ class _Server:
                                                                 and b.data_ptr() == sh.ptrs[i + 3]):
                         self.served = True
                         return outs[i]
+        if input is sh.x and sh.norm is not None:  # (the RMSNorm's input: the projection reads the norm's output)
+            input = sh.norm.normalize(input)
         return type(self.module).forward(self.module, input, *args, **kwargs)
 
 
-def _serve(self, x):
-    """Set each projection's instance forward to a :class:`_Server` of one shared GEMM on ``x``; returns the
-    servers, or None where the call runs unfused."""
-    if type(x) not in _PLAIN or not (SERVE_EAGER or _captured(x)) or _grad_enabled() \
+def _serve(self, x, norm=None):
+    """Set each projection's instance forward to a :class:`_Server` of one shared GEMM on ``x`` (an RMSNorm's input,
+    with ``norm``: served in eager calls too); returns the servers, or None where the call runs unfused."""
+    if type(x) not in _PLAIN or not (SERVE_EAGER or norm is not None or _captured(x)) or _grad_enabled() \
             or _any_autocast() or _UNSERVED in self.__dict__:
         self.__dict__.pop(_CACHE, None)  # (no views kept for calls that do not use them)
         return None
@@ -255,7 +300,7 @@ def _serve(self, x):
     packed = _packed(self, q, k, v)
     if packed is None or 2 * x.numel() * packed[0].shape[0] > MAX_FLOPS:
         return None
-    shared = _Shared(x, packed)
+    shared = _Shared(x, packed, norm)
     servers = _Server(q, shared, 0), _Server(k, shared, 1), _Server(v, shared, 2)
     dq["forward"], dk["forward"], dv["forward"] = servers
     return servers
@@ -276,6 +321,15 @@ def _unserve(self, servers, completed: bool) -> None:
 
 
 _input_names: dict = {}  # an attention forward -> the name of its input (None: not fused)
+_takes_norm: dict = {}  # an attention forward -> whether it reads its input only as the projections' and its shape
+
+
+def _with_input(args: tuple, kwargs: dict, key: Optional[str], x) -> tuple:
+    """``(args, kwargs)`` with ``x`` as the first positional argument (``key`` None) or as keyword ``key``."""
+    if key is None:
+        return (x, *args[1:]), kwargs
+    kwargs[key] = x
+    return args, kwargs
 
 
 def fused_forward(base: type):
@@ -284,15 +338,26 @@ def fused_forward(base: type):
 
     def fused(self, *args, **kwargs):
         forward = base.forward
-        served = None
+        served = norm = None
         if not _is_compiling():
             name = _input_names.get(forward, _MISSING)
             if name is _MISSING:
                 if len(_input_names) >= 1024:
                     _input_names.clear()
                 name = _input_names[forward] = input_name(forward)
+                _takes_norm[forward] = name is not None and reads_shape_only(forward, name)
+            if "_tritonmm_norm" in self.__dict__:  # a folding layer's call (norm_fold): maybe an RMSNorm's input
+                key = getattr(self.__dict__["_tritonmm_norm"], "key", None)
+                x = args[0] if key is None and args else kwargs.get(key) if key else None
+                norm = norm_fold.take(self, x)
+                if norm is not None and not (_takes_norm.get(forward) and key in (None, name)):
+                    args, kwargs = _with_input(args, kwargs, key, norm.normalize(x))  # (reads it otherwise)
+                    norm = None
             if name is not None:
-                served = _serve(self, args[0] if args else kwargs.get(name))
+                x = args[0] if args else kwargs.get(name)
+                served = _serve(self, x, norm)
+                if served is None and norm is not None:
+                    args, kwargs = _with_input(args, kwargs, key, norm.normalize(x))
         if served is None:
             return forward(self, *args, **kwargs)
         completed = False
@@ -317,7 +382,7 @@ def fused_attributes(base: type) -> dict:
         drop(self)
         return out
 
-    return {"forward": fused_forward(base), "_apply": _apply}
+    return {"forward": fused_forward(base), "_apply": _apply, "_tritonmm_takes_norm": takes_norm(base.forward)}
 
 
 def state(module, state):

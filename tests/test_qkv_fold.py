@@ -1,0 +1,197 @@
+"""The input RMSNorm folded into the attention's q/k/v GEMM (tritonmm.modules.norm_fold, tritonmm.modules.qkv,
+tritonmm.kernels.norm_linear): the kernel against float64, a folding model's values, the attention forwards that
+may take the norm's input, and the calls that get the norm's output instead."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritonmm
+from tritonmm.dispatch import norm_linear
+from tritonmm.modules import norm_fold, qkv
+
+transformers = pytest.importorskip("transformers")
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.interpreter if not HAS_CUDA else pytest.mark.gpu
+_DTYPES = [torch.bfloat16, torch.float16] if HAS_CUDA else [torch.float32, torch.float16]
+
+
+def _rms_norm(x, w, eps):
+    h = x.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16] if HAS_CUDA else _DTYPES)
+@pytest.mark.parametrize("M, N, K, bias, cfg", [
+    (1, 40, 96, False, dict(BLOCK_N=16, BLOCK_K=32)), (5, 33, 130, True, dict(BLOCK_N=32, BLOCK_K=64)),
+    (16, 70, 200, False, dict(BLOCK_N=64, BLOCK_K=128)), (3, 24, 64, True, None)])
+def test_the_norm_linear_kernel_against_float64(M, N, K, bias, cfg, dtype, device):
+    """Odd sizes, K tails, a K loop of one to several steps, a bias; NaN-filled output. bfloat16 and float32 take one
+    pass (X times the weight, 1 / rms on the accumulator), float16 two (X normalized as the module rounds)."""
+    from tritonmm.kernels.norm_linear import norm_linear_launcher
+
+    x = torch.randn(M, K, device=device, dtype=dtype) * 4
+    nw = (torch.rand(K, device=device) + 0.5).to(dtype)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
+    b = torch.randn(N, device=device, dtype=dtype) if bias else None
+    eps = 1e-5
+    config = None if cfg is None else dict(cfg, BLOCK_M=16, num_warps=4, num_stages=2)
+    launch = norm_linear_launcher(M, N, K, K, K, dtype, device, None if b is None else 1, config)
+    y = torch.full((M, N), float("nan"), device=device, dtype=dtype)
+    x0 = x.clone()
+    launch(x, nw, w, b, y, eps)
+    ref = F.linear(_rms_norm(x, nw, eps), w.double(), None if b is None else b.double())
+    module = transformers.models.llama.modeling_llama.LlamaRMSNorm(K, eps).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(nw)
+        eager = F.linear(module(x), w, b)
+    eager_err = (eager.double() - ref).abs().max().item()
+    assert not y.isnan().any()
+    assert (y.double() - ref).abs().max().item() <= 2 * eager_err + 1e-6
+    assert torch.equal(x, x0)
+
+
+def test_norm_linear_declines_what_it_does_not_serve(device):
+    x = torch.randn(17, 64, device=device)  # (more rows than a fold takes)
+    nw, w = torch.rand(64, device=device) + 0.5, torch.randn(32, 64, device=device)
+    assert norm_linear.norm_linear(x, nw, 1e-5, w, None) is None
+    assert norm_linear.norm_linear(x[:4], nw.half(), 1e-5, w, None) is None  # (dtypes differ)
+    assert norm_linear.norm_linear(x[:4], nw, 1e-5, w[:, :32], None) is None  # (K differs)
+    assert norm_linear.norm_linear(x[:4, ::2], nw[:32], 1e-5, w[:, :32], None) is None  # (strided columns)
+    with torch.enable_grad():
+        assert norm_linear.norm_linear(x[:4].requires_grad_(), nw, 1e-5, w, None) is None
+    y = norm_linear.norm_linear(x[:4], nw, 1e-5, w, None)
+    assert y is not None
+    torch.testing.assert_close(y.double(), F.linear(_rms_norm(x[:4], nw, 1e-5), w.double()), atol=1e-4, rtol=1e-4)
+
+
+def _model(device, dtype):
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:  # (ones would hide a weight read wrongly)
+                p.copy_(torch.rand_like(p) + 0.5)
+    return model.to(device=device, dtype=dtype)
+
+
+@pytest.fixture
+def folded(monkeypatch):
+    """Counts the q/k/v GEMMs run with the norm in the kernel's loads (True) or declined by it (False)."""
+    served = []
+    monkeypatch.setattr(norm_fold, "FOLD", True)
+    tritonmm.clear_cache()
+    inner = qkv.norm_linear
+
+    def spy(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(qkv, "norm_linear", spy)
+    return served
+
+
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("batch", [1, 5, 16])
+def test_decode_logits_against_float64(batch, dtype, device, folded):
+    model = _model(device, dtype)
+    ref_model = copy.deepcopy(model).double()
+    ids = torch.randint(0, 128, (batch, 1), device=device)
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+        off_err = (model(ids).logits.double() - ref).abs().max().item()
+        tritonmm.fuse(model)
+        assert type(model.model.layers[0].self_attn).__dict__.get("_tritonmm_takes_norm")
+        outs = [model(ids).logits for _ in range(2)]
+    assert folded == [True] * 4  # two layers in two calls
+    for out in outs:
+        assert not out.isnan().any()
+        assert (out.double() - ref).abs().max().item() <= 2 * off_err + 1e-6
+    assert not any("forward" in m.__dict__ or "_tritonmm_norm" in m.__dict__ for m in model.modules())
+
+
+def test_calls_the_attention_cannot_serve_get_the_norms_output(device, folded):
+    """Inference tensors (no version counter), more rows than a fold takes, and an attention marked unserved: the
+    attention runs on the norm's output, as unfused."""
+    dtype = _DTYPES[0]
+    ref, model = _unfused_and_fused(_model(device, dtype))
+    with torch.no_grad():
+        for ids in (torch.randint(0, 128, (2, 1), device=device), torch.randint(0, 128, (1, 17), device=device)):
+            with torch.inference_mode():  # (the MLP's fold still serves: its tolerance)
+                torch.testing.assert_close(model(ids).logits, ref(ids).logits, **_tolerance(dtype))
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, **_tolerance(dtype))
+        assert folded == [True, True]  # (the 2 x 1 call outside inference mode only)
+        for layer in model.model.layers:
+            layer.self_attn.__dict__[qkv._UNSERVED] = True
+        ids = torch.randint(0, 128, (2, 1), device=device)
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, **_tolerance(dtype))
+    assert folded == [True, True]
+
+
+def _unfused_and_fused(model):
+    ref = copy.deepcopy(model)
+    return ref, tritonmm.fuse(model)
+
+
+def _tolerance(dtype):
+    """One pass rounds X times the norm's weight once where the module rounds twice."""
+    return dict(atol=1e-2, rtol=2e-2) if dtype in (torch.float16, torch.bfloat16) else {}
+
+
+class _ReadsInput(torch.nn.Module):
+    """An attention that reads its input besides the projections (a residual inside the attention)."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
+
+    def forward(self, hidden_states, **kwargs):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        return q[..., :8] + k[..., :8] + v[..., :8] + hidden_states[..., :8], None
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, inner, attn):
+        super().__init__()
+        self.input_layernorm, self.self_attn = inner.input_layernorm, attn
+
+    def forward(self, hidden_states):
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states)
+        return hidden_states
+
+
+def test_which_attention_forwards_take_the_norms_input(device):
+    attn = type(_model(device, torch.float32).model.layers[0].self_attn)
+    assert qkv.takes_norm(attn.forward)
+    assert qkv.input_name(_ReadsInput.forward) == "hidden_states" and not qkv.takes_norm(_ReadsInput.forward)
+
+    def rebinds(self, hidden_states):
+        hidden_states = hidden_states.shape
+        return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+
+    def reads_size(self, hidden_states):
+        n = hidden_states.size(0)
+        return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states), n
+
+    assert not qkv.reads_shape_only(rebinds, "hidden_states") and not qkv.reads_shape_only(reads_size, "hidden_states")
+    assert norm_fold.fold_pairs(_Layer) == (("self_attn", "input_layernorm"),)
+
+
+def test_an_attention_reading_its_input_otherwise_gets_the_norms_output(device, folded):
+    dtype = _DTYPES[0]
+    inner = _model(device, dtype).model.layers[0]
+    layer = _Layer(inner, _ReadsInput(inner.self_attn))
+    ref = copy.deepcopy(layer)
+    tritonmm.fuse(layer)
+    assert not type(layer.self_attn).__dict__.get("_tritonmm_takes_norm")
+    x = torch.randn(2, 1, 64, device=device, dtype=dtype) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), ref(x))
+    assert folded == []
