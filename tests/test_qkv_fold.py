@@ -195,3 +195,22 @@ def test_an_attention_reading_its_input_otherwise_gets_the_norms_output(device, 
     with torch.no_grad():
         torch.testing.assert_close(layer(x), ref(x))
     assert folded == []
+
+
+def test_no_launcher_is_built_in_graph_capture(device, folded, monkeypatch):
+    """The kernel's first launch compiles (and autotunes): never while a CUDA graph is captured, where loading a
+    module invalidates the capture; that call runs the norm and one F.linear on the packed weights."""
+    from tritonmm.kernels import launch
+
+    dtype = _DTYPES[0]
+    ref, model = _unfused_and_fused(_model(device, dtype))
+    ids = torch.randint(0, 128, (2, 1), device=device)
+    with torch.no_grad():
+        monkeypatch.setattr(launch, "capturing", lambda device: True)
+        captured = model(ids).logits
+        monkeypatch.setattr(launch, "capturing", lambda device: False)
+        after = model(ids).logits
+        expected = ref(ids).logits
+    assert folded == [False, False, True, True]
+    torch.testing.assert_close(captured, expected, **_tolerance(dtype))
+    torch.testing.assert_close(after, expected, **_tolerance(dtype))
