@@ -3,12 +3,13 @@ one GEMM, prefill M from 1 to 4096 tokens, decode with a KV cache and CUDA-graph
 unfused model."""
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
 
 import tritonmm
-from tritonmm.modules import packing, qkv
+from tritonmm.modules import norm_fold, packing, qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +22,8 @@ def models():
                                    attn_implementation="sdpa")
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
-    fused = tritonmm.fuse(copy.deepcopy(ref))
+    with mock.patch.object(norm_fold, "FOLD", False):  # (the q/k/v GEMM on cuBLAS; folded: test_qkv_fold.py)
+        fused = tritonmm.fuse(copy.deepcopy(ref))
     assert all(packing.stacked((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)) is not None
                for a in (layer.self_attn for layer in fused.model.layers))
     return ref, fused
