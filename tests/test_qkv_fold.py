@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from test_norm_fold import _model, _rms_norm, _same, _unfused_and_fused
 
 import tritonmm
 from tritonmm.dispatch import norm_linear
@@ -16,11 +17,6 @@ transformers = pytest.importorskip("transformers")
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.interpreter if not HAS_CUDA else pytest.mark.gpu
 _DTYPES = [torch.bfloat16, torch.float16] if HAS_CUDA else [torch.float32, torch.float16]
-
-
-def _rms_norm(x, w, eps):
-    h = x.double()
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.double()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16] if HAS_CUDA else _DTYPES)
@@ -67,17 +63,6 @@ def test_norm_linear_declines_what_it_does_not_serve(device):
     torch.testing.assert_close(y.double(), F.linear(_rms_norm(x[:4], nw, 1e-5), w.double()), atol=1e-4, rtol=1e-4)
 
 
-def _model(device, dtype):
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=128)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:  # (ones would hide a weight read wrongly)
-                p.copy_(torch.rand_like(p) + 0.5)
-    return model.to(device=device, dtype=dtype)
-
-
 @pytest.fixture
 def folded(monkeypatch):
     """Counts the q/k/v GEMMs run with the norm in the kernel's loads (True) or declined by it (False)."""
@@ -122,24 +107,14 @@ def test_calls_the_attention_cannot_serve_get_the_norms_output(device, folded):
     with torch.no_grad():
         for ids in (torch.randint(0, 128, (2, 1), device=device), torch.randint(0, 128, (1, 17), device=device)):
             with torch.inference_mode():  # (the MLP's fold still serves: its tolerance)
-                torch.testing.assert_close(model(ids).logits, ref(ids).logits, **_tolerance(dtype))
-            torch.testing.assert_close(model(ids).logits, ref(ids).logits, **_tolerance(dtype))
+                _same(model(ids).logits, ref(ids).logits)
+            _same(model(ids).logits, ref(ids).logits)
         assert folded == [True, True]  # (the 2 x 1 call outside inference mode only)
         for layer in model.model.layers:
             layer.self_attn.__dict__[qkv._UNSERVED] = True
         ids = torch.randint(0, 128, (2, 1), device=device)
-        torch.testing.assert_close(model(ids).logits, ref(ids).logits, **_tolerance(dtype))
+        _same(model(ids).logits, ref(ids).logits)
     assert folded == [True, True]
-
-
-def _unfused_and_fused(model):
-    ref = copy.deepcopy(model)
-    return ref, tritonmm.fuse(model)
-
-
-def _tolerance(dtype):
-    """One pass rounds X times the norm's weight once where the module rounds twice."""
-    return dict(atol=1e-2, rtol=2e-2) if dtype in (torch.float16, torch.bfloat16) else {}
 
 
 class _ReadsInput(torch.nn.Module):
@@ -212,5 +187,5 @@ def test_no_launcher_is_built_in_graph_capture(device, folded, monkeypatch):
         after = model(ids).logits
         expected = ref(ids).logits
     assert folded == [False, False, True, True]
-    torch.testing.assert_close(captured, expected, **_tolerance(dtype))
-    torch.testing.assert_close(after, expected, **_tolerance(dtype))
+    _same(captured, expected)
+    _same(after, expected)

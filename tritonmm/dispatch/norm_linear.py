@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..core import modes
+from ..core.env import interpreting
 from . import runners
 from .gated import GATED_MAX_M
 
@@ -34,7 +35,6 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, b: Option
     and CUDA device (CPU under Triton's interpreter). None where it does not serve (autograd, autocast, a mode,
     other operands, in CUDA graph capture before the geometry's launcher is built, a failed launch): the caller
     normalizes x and calls ``F.linear``."""
-    from ..core.env import interpreting
     from ..kernels.launch import LAUNCH_FAILURES, capturing
     from ..kernels.norm_linear import norm_linear_launcher
 
