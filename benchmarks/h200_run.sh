@@ -33,6 +33,8 @@
 #           1 x 128), off against fuse: wall time and each kernel's time -> $OUT/replay_kernels.json
 #   norm_prologue  benchmarks/diagnostics/norm_prologue_gemm.py: an RMSNorm folded into the GEMM after it, at decode
 #           sizes, against transformers' norm + cuBLAS, in CUDA graphs -> $OUT/norm_prologue_gemm.json
+#   static_kernels  benchmarks/diagnostics/static_decode_kernels.py: the compiled static-cache decode, off against fuse,
+#           wall time and each kernel's time per token -> $OUT/static_decode_kernels.json
 #   mlp_parts  benchmarks/diagnostics/mlp_forward_parts.py: a LlamaMLP forward's time alone, back to back, on the host
 #           and per kernel -> $OUT/mlp_forward_parts.json
 set -uo pipefail
@@ -59,6 +61,8 @@ for step in "$@"; do
     replay_kernels) T "${REPLAY_TIMEOUT:-240}" python3 benchmarks/diagnostics/replay_kernels.py ${REPLAY_ARGS:-} 2>&1 \
              | grep -v "Warning\|warn(" ;;
     norm_prologue) T "${NORM_TIMEOUT:-240}" python3 benchmarks/diagnostics/norm_prologue_gemm.py 2>&1 | tail -20 ;;
+    static_kernels) T "${STATIC_TIMEOUT:-300}" python3 benchmarks/diagnostics/static_decode_kernels.py ${STATIC_ARGS:-} \
+             2>&1 | grep -v "Warning\|warn(" ;;
     mlp_parts) T "${PARTS_TIMEOUT:-300}" python3 benchmarks/diagnostics/mlp_forward_parts.py 2>&1 | grep -v "Warning\|warn(" ;;
     prefill_ab) T "${AB_TIMEOUT:-400}" python3 benchmarks/diagnostics/prefill_packed_ab.py ${AB_ARGS:-} 2>&1 | tail -10 ;;
     tests) T "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q --maxfail=5 --durations=15 -p no:cacheprovider \

@@ -189,3 +189,72 @@ def test_no_launcher_is_built_in_graph_capture(device, folded, monkeypatch):
     assert folded == [False, False, True, True]
     _same(captured, expected)
     _same(after, expected)
+
+
+def test_hooks_on_a_projection_see_the_norms_output(device, folded):
+    """Hooks on q, k or v (a probe, a pre-hook returning a new tensor): the attention gets the norm's output, the
+    hooks see what they see unfused, and the fold serves again once they are removed."""
+    dtype = _DTYPES[0]
+    ref, model = _unfused_and_fused(_model(device, dtype))
+    ids = torch.randint(0, 128, (1, 4), device=device)
+    seen = {}
+    with torch.no_grad():
+        for tag, m in (("ref", ref), ("fused", model)):
+            v = m.model.layers[0].self_attn.v_proj
+            hooks = [v.register_forward_hook(lambda mod, a, o, tag=tag: seen.__setitem__(tag, a[0].clone())),
+                     m.model.layers[1].self_attn.k_proj.register_forward_pre_hook(lambda mod, a: (a[0].clone(),))]
+            seen[tag + "_logits"] = m(ids).logits
+            for h in hooks:
+                h.remove()
+        assert folded == []  # (declined before the GEMM)
+        _same(seen["fused"], seen["ref"])
+        _same(seen["fused_logits"], seen["ref_logits"])
+        assert not any(qkv._UNSERVED in layer.self_attn.__dict__ for layer in model.model.layers)
+        _same(model(ids).logits, ref(ids).logits)
+    assert folded[-2:] == [True, True]
+
+
+def test_hooks_registered_or_unfuse_during_a_layer_run_the_norm(device, folded):
+    """A hook on the MLP's norm and a pre-hook on the MLP registered from the attention's hook (after the layer armed
+    the fold), and unfuse from a projection's hook: the norm runs as its module, values as unfused."""
+    dtype = _DTYPES[0]
+    ref, model = _unfused_and_fused(_model(device, dtype))
+    ids = torch.randint(0, 128, (1, 4), device=device)
+    results = {}
+    with torch.no_grad():
+        for tag, m in (("ref", ref), ("fused", model)):
+            layer, seen, handles = m.model.layers[0], [], []
+
+            def instrument(mod, args, out, layer=layer, seen=seen, handles=handles):
+                handles.append(layer.post_attention_layernorm.register_forward_hook(lambda mod, a, o: seen.append(o)))
+                handles.append(layer.mlp.register_forward_pre_hook(lambda mod, a: (a[0].clone(),)))
+
+            handles.append(layer.self_attn.register_forward_hook(instrument))
+            results[tag] = m(ids).logits, seen[0]
+            for h in handles:
+                h.remove()
+        _same(results["fused"][1], results["ref"][1])
+        _same(results["fused"][0], results["ref"][0])
+        expected = ref(ids).logits
+        hook = model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda *a: (tritonmm.unfuse(model), None)[1])
+        _same(model(ids).logits, expected)
+        hook.remove()
+        assert not any("forward" in m.__dict__ or "_tritonmm_norm" in m.__dict__ for m in model.modules())
+
+
+def test_a_copy_taken_during_an_attention_keeps_no_server(device, folded):
+    """The copy's projections run their own forward once (a copy's weights are not packed: its q, k, v run apart)."""
+    dtype = _DTYPES[0]
+    ref, model = _unfused_and_fused(_model(device, dtype))
+    ids = torch.randint(0, 128, (1, 4), device=device)
+    copies = []
+    hook = model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda *a: copies.append(copy.deepcopy(model)))
+    with torch.no_grad():
+        model(ids)
+        hook.remove()
+        snapshot = copies[0]
+        snapshot.model.layers[0].self_attn.o_proj._forward_hooks.clear()
+        expected = ref(ids).logits
+        _same(snapshot(ids).logits, expected)
+        assert not any("forward" in m.__dict__ or "_tritonmm_norm" in m.__dict__ for m in snapshot.modules())
+        _same(snapshot(ids).logits, expected)

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..dispatch.gated import GATED_MAX_M
-from .plain import MODULE_CALL, any_hooked, code_form
+from .plain import MODULE_CALL, Stale, any_hooked, code_form, hooks_on
 
 FOLD = True
 """Whether :func:`tritonmm.fuse` makes folding layers; layers made while it was on keep folding. On an H100, ``fuse``
@@ -176,13 +176,15 @@ _getframe = sys._getframe
 class Pending:
     """The norm's instance forward while a folding layer runs: its input back, remembered, for one call of up to
     ``GATED_MAX_M`` rows from the layer's norm statement (``site``: the forward's code and lines) in the thread that
-    armed it; every other call runs the norm's own forward. Copies and pickles taken meanwhile are
-    :class:`_Stale`."""
+    armed it, while the norm and its consumer (the module that takes the norm's input) have no hooks and the consumer
+    still takes it (checked again at the call: hooks registered, or ``unfuse`` run, since the layer armed it); every
+    other call runs the norm's own forward. Copies and pickles taken meanwhile are :class:`~.plain.Stale`."""
 
-    __slots__ = ("norm", "x", "thread", "site", "key")
+    __slots__ = ("norm", "consumer", "x", "thread", "site", "key")
 
-    def __init__(self, norm, site):
-        self.norm, self.x, self.thread, self.site, self.key = norm, None, _get_ident(), site[:3], site[3]
+    def __init__(self, norm, consumer, site):
+        self.norm, self.consumer, self.x, self.thread = norm, consumer, None, _get_ident()
+        self.site, self.key = site[:3], site[3]
 
     def __call__(self, *args, **kwargs):
         x = args[0] if len(args) == 1 and not kwargs else None
@@ -192,7 +194,11 @@ class Pending:
             while f is not None and f.f_code.co_filename == _MODULE_CALLS:
                 f = f.f_back
             code, first, last = self.site
-            if f is not None and f.f_code is code and first <= f.f_lineno <= last:
+            consumer = self.consumer
+            if f is not None and f.f_code is code and first <= f.f_lineno <= last \
+                    and consumer.__dict__.get("_tritonmm_norm") is self \
+                    and getattr(type(consumer), "_tritonmm_takes_norm", False) \
+                    and not hooks_on(self.norm) and not any_hooked(consumer):
                 self.x = x
                 return x
         return type(self.norm).forward(self.norm, *args, **kwargs)
@@ -202,28 +208,14 @@ class Pending:
         return type(self.norm).forward(self.norm, x)
 
     def __reduce__(self):
-        return _Stale, (self.norm,)
-
-
-class _Stale:
-    """What a :class:`Pending` copies and pickles as: the norm's own forward, which removes itself on its first call."""
-
-    __slots__ = ("norm",)
-
-    def __init__(self, norm):
-        self.norm = norm
-
-    def __call__(self, *args, **kwargs):
-        if self.norm.__dict__.get("forward") is self:
-            del self.norm.__dict__["forward"]
-        return type(self.norm).forward(self.norm, *args, **kwargs)
+        return Stale, (self.norm,)
 
 
 def take(mlp, x) -> Optional[Pending]:
     """The :class:`Pending` whose input ``x`` is (the MLP must normalize it, or fold the norm), or None."""
     pending = mlp.__dict__.get("_tritonmm_norm")
     if type(pending) is not Pending or pending.x is not x or x is None:
-        if type(pending) is _Stale:  # (copied from a layer mid-call)
+        if type(pending) is Stale:  # (copied from a layer mid-call)
             del mlp.__dict__["_tritonmm_norm"]
         return None
     pending.x = None
@@ -244,7 +236,7 @@ def _folding_forward(self, *args, **kwargs):
         if getattr(type(mlp), "_tritonmm_takes_norm", False) and rms_norm(norm) and not any_hooked(norm, mlp) \
                 and "_tritonmm_norm" not in mlp.__dict__ \
                 and (site[3] is None or getattr(type(mlp).forward, "_tritonmm_qkv", False)):
-            pending = Pending(norm, site)
+            pending = Pending(norm, mlp, site)
             norm.__dict__["forward"] = mlp.__dict__["_tritonmm_norm"] = pending
             armed.append((norm, mlp, pending))
     try:

@@ -52,6 +52,29 @@ def any_hooked(*modules) -> bool:
     return global_hooks()
 
 
+def hooks_on(m) -> bool:
+    """Forward or backward hooks on ``m`` or globally (an instance ``forward`` aside)."""
+    d = m.__dict__
+    return bool(d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]) \
+        or global_hooks()
+
+
+class Stale:
+    """What a module's temporary instance ``forward`` (a folding layer's :class:`~.norm_fold.Pending`, a fused
+    attention's projection server) copies and pickles as: the module's class forward, which removes itself from
+    the module on its first call."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        if self.module.__dict__.get("forward") is self:
+            del self.module.__dict__["forward"]
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
 def global_hooks() -> bool:
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
                 or _module._global_backward_pre_hooks)

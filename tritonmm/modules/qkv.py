@@ -4,7 +4,7 @@ weights :func:`tritonmm.fuse` packed into one allocation (:mod:`tritonmm.modules
 have one): one launch and one weight read instead of three in every replay of the graph. In eager mode the
 three run as they are (:data:`SERVE_EAGER`), except in a folding decoder layer (:mod:`tritonmm.modules.norm_fold`),
 whose input RMSNorm hands the attention its own input: then the one GEMM, in eager calls too, reads it through the
-norm (:func:`_Shared.linear`), and every call that is not served gets the norm's output.
+norm (:func:`_Shared.linear`), and every call that is not served (hooks on a projection) gets the norm's output.
 
 An attention module qualifies (:func:`fusable`) when its children ``q_proj``, ``k_proj`` and ``v_proj`` are
 nn.Linear modules running nn.Linear's forward (or tritonmm's) with one ``in_features``, and its forward
@@ -41,7 +41,7 @@ from ..core import modes
 from ..core.env import interpreting
 from ..dispatch.norm_linear import norm_linear
 from . import norm_fold, packing
-from .plain import linear_type, plain_linear
+from .plain import Stale, any_hooked, linear_type, plain_linear
 
 NAMES = ("q_proj", "k_proj", "v_proj")
 _UNSERVED = "_tritonmm_qkv_unserved"  # set on a fused attention whose forward read another input
@@ -261,6 +261,9 @@ class _Server:
     def __init__(self, module, shared, index):
         self.module, self.shared, self.index, self.served = module, shared, index, None
 
+    def __reduce__(self):  # (a copy taken during the forward: the projection's own forward, once)
+        return Stale, (self.module,)
+
     def __call__(self, input, *args, **kwargs):
         sh = self.shared
         if self.served is None and input is sh.x and not args and not kwargs:
@@ -296,6 +299,8 @@ def _serve(self, x, norm=None):
     dq, dk, dv = q.__dict__, k.__dict__, v.__dict__
     if "forward" in dq or "forward" in dk or "forward" in dv or x.is_inference() or not modes.eager() \
             or modes.torch_only(x):  # (inference tensors have no version counter to check x against)
+        return None
+    if norm is not None and any_hooked(q, k, v):  # (their hooks would see the norm's input)
         return None
     packed = _packed(self, q, k, v)
     if packed is None or 2 * x.numel() * packed[0].shape[0] > MAX_FLOPS:
