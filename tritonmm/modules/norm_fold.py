@@ -198,7 +198,7 @@ class Pending:
             if f is not None and f.f_code is code and first <= f.f_lineno <= last \
                     and consumer.__dict__.get("_tritonmm_norm") is self \
                     and getattr(type(consumer), "_tritonmm_takes_norm", False) \
-                    and not hooks_on(self.norm) and not any_hooked(consumer):
+                    and not hooks_on(self.norm) and not any_hooked(consumer):  # (global hooks: any_hooked)
                 self.x = x
                 return x
         return type(self.norm).forward(self.norm, *args, **kwargs)

@@ -53,10 +53,9 @@ def any_hooked(*modules) -> bool:
 
 
 def hooks_on(m) -> bool:
-    """Forward or backward hooks on ``m`` or globally (an instance ``forward`` aside)."""
+    """Forward or backward hooks on ``m`` itself (global hooks and an instance ``forward`` aside)."""
     d = m.__dict__
-    return bool(d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]) \
-        or global_hooks()
+    return bool(d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"])
 
 
 class Stale:
