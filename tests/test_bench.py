@@ -483,13 +483,17 @@ def test_model_report_without_per_call_rows_prints_no_per_call_section(capsys):
 
 
 @pytest.mark.slow
-def test_compiled_static_cache_decode_phase_on_the_cpu():
+def test_compiled_static_cache_decode_phase_on_the_cpu(monkeypatch):
     """The compiled static-cache decode phase (tiny model, CPU): the cache rewound before each sample (else its
-    write position runs past the cache's end: 64 + 3 slots here), a row with fuse's and the A/A control's ratios."""
+    write position runs past the cache's end: 64 + 3 slots here), a row with fuse's and the A/A control's ratios.
+    Traced whole (``fullgraph``) by Dynamo as the phase asks, compiled by AOTAutograd without Inductor's C++ code
+    generation (minutes on a cold cache)."""
     import torch
 
     from tritonmm.bench import model
 
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, mode=None, **kw: compile_(m, backend="aot_eager", **kw))
     rows = model.static_decode_phase("tiny", torch.device("cpu"), 2, batches=(2,), new_tokens=3)
     assert [r["phase"] for r in rows] == ["compiled static-cache decode 2 seq x 3 tokens"]
     for r in rows:
