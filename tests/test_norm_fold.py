@@ -40,21 +40,24 @@ def test_fuse_folds_only_with_fold_on(device, monkeypatch):
     assert type(tritonmm.fuse(model).model.layers[0]).__dict__.get("_tritonmm_folds")
 
 
-@pytest.fixture
-def folds(monkeypatch):
-    """Counts the MLP calls served with the norm in the gated kernel."""
-    served = []
-    tritonmm.clear_cache()  # (each test sees its geometry's first call)
-
-    folded = fusion._folded
+def spy_on(monkeypatch, owner, name: str) -> list:
+    """Replaces ``owner.<name>`` with a wrapper that records, per call, whether it returned something (not None)."""
+    served, inner = [], getattr(owner, name)
 
     def spy(*args, **kwargs):
-        out = folded(*args, **kwargs)
+        out = inner(*args, **kwargs)
         served.append(out is not None)
         return out
 
-    monkeypatch.setattr(fusion, "_folded", spy)
+    monkeypatch.setattr(owner, name, spy)
     return served
+
+
+@pytest.fixture
+def folds(monkeypatch):
+    """Counts the MLP calls served with the norm in the gated kernel."""
+    tritonmm.clear_cache()  # (each test sees its geometry's first call)
+    return spy_on(monkeypatch, fusion, "_folded")
 
 
 def _dtypes():

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_norm_fold import _model, _rms_norm, _same, _unfused_and_fused
+from test_norm_fold import _model, _rms_norm, _same, _unfused_and_fused, spy_on
 
 import tritonmm
 from tritonmm.dispatch import norm_linear
@@ -66,18 +66,9 @@ def test_norm_linear_declines_what_it_does_not_serve(device):
 @pytest.fixture
 def folded(monkeypatch):
     """Counts the q/k/v GEMMs run with the norm in the kernel's loads (True) or declined by it (False)."""
-    served = []
     monkeypatch.setattr(norm_fold, "FOLD", True)
     tritonmm.clear_cache()
-    inner = qkv.norm_linear
-
-    def spy(*args, **kwargs):
-        out = inner(*args, **kwargs)
-        served.append(out is not None)
-        return out
-
-    monkeypatch.setattr(qkv, "norm_linear", spy)
-    return served
+    return spy_on(monkeypatch, qkv, "norm_linear")
 
 
 @pytest.mark.parametrize("dtype", _DTYPES)
