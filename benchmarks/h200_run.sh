@@ -48,7 +48,7 @@ for step in "$@"; do
           python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" ;;
     host) T 90 python3 benchmarks/diagnostics/h200_host.py ;;
     gpu_par) for g in "tests/test_gpu.py" "tests/test_gpu_reliability.py tests/test_fuzz.py" \
-                "tests/test_gated_gpu.py tests/test_qkv_gpu.py tests/test_bench.py tests/test_capture.py tests/test_copy.py tests/test_first_sight.py tests/test_padded.py"; do
+                "tests/test_gated_gpu.py tests/test_qkv_gpu.py tests/test_bench.py tests/test_capture.py tests/test_copy.py tests/test_first_sight.py tests/test_padded.py tests/test_norm_fold.py tests/test_qkv_fold.py"; do
                n=$(basename "${g%% *}" .py)
                T "${TESTS_TIMEOUT:-520}" python3 -m pytest -m gpu -q -p no:cacheprovider $g > "$OUT/gpu_par_$n.log" 2>&1 &
              done; wait; tail -n 3 "$OUT"/gpu_par_*.log ;;

@@ -195,3 +195,101 @@ def test_models_pickled_with_0_2_0_load():
     assert type(clone) is type(model) and type(clone[2]) is type(model[2])
     x = torch.randn(3, 8)
     torch.testing.assert_close(clone(x), model(x))
+
+
+DIAGNOSTICS = PACKAGE.parent / "benchmarks" / "diagnostics"
+
+
+def stale_names(source: str) -> list:
+    """What a script's code names in ``tritonmm`` that the package no longer has (a path left over from a move): a
+    module it imports (``from tritonmm.x import a``, ``import tritonmm.x.y``) that does not import, a name it imports
+    from one that is neither an attribute nor a submodule, an attribute it reads or sets on the package
+    (``tritonmm.NAME``, ``tritonmm.fusion.NAME``) or on a module an import bound (``routes.plans``,
+    ``bm._tokens``) that is not there. The script's imports are made first (inside functions too)."""
+    import importlib
+    import types
+
+    import tritonmm
+
+    tree = ast.parse(source)
+    bound, stale = {"tritonmm": tritonmm}, []
+
+    def module(name):
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            stale.append(f"import {name}: {exc}")
+            return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "tritonmm":
+            mod = module(node.module)
+            for alias in node.names if mod is not None else ():
+                if not hasattr(mod, alias.name):
+                    try:
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ImportError:
+                        stale.append(f"from {node.module} import {alias.name}")
+                        continue
+                if isinstance(getattr(mod, alias.name), types.ModuleType):
+                    bound[alias.asname or alias.name] = getattr(mod, alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "tritonmm":
+                    mod = module(alias.name)
+                    if mod is not None and alias.asname:
+                        bound[alias.asname] = mod
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.insert(0, value.attr)
+            value = value.value
+        if not isinstance(value, ast.Name) or value.id not in bound:
+            continue
+        owner = bound[value.id]
+        for attr in chain:  # through modules only: `routes.plans.get` checks `plans`, not a dict's `get`
+            owner = getattr(owner, attr, None)
+            if not isinstance(owner, types.ModuleType):
+                break
+        else:
+            if not hasattr(owner, node.attr):
+                stale.append(f"line {node.lineno}: {'.'.join([value.id, *chain, node.attr])}")
+    return stale
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DIAGNOSTICS.glob("*.py")))
+def test_diagnostics_name_only_what_the_package_has(name):
+    """The diagnostics in benchmarks/diagnostics/ (run by hand on a GPU host) import modules and names of the
+    layers, and use attributes of them, that exist: a path left over from a move fails here, not on the GPU host."""
+    stale = stale_names((DIAGNOSTICS / name).read_text())
+    assert not stale, stale
+
+
+def test_the_diagnostics_check_finds_stale_names():
+    source = """
+import tritonmm
+import tritonmm.no_such_module
+import tritonmm.core.env as env
+from tritonmm import routes
+from tritonmm._env import raw_env
+from tritonmm.bench import model as bm
+from tritonmm.dispatch import decide, tuned
+from tritonmm.ops import routes as r
+
+
+def f():
+    from tritonmm.dispatch.plans import ROWS_MAX, no_such_name
+    tritonmm.fusion.fusable, tritonmm.fusion.no_such_function, tritonmm.no_such_attribute
+    decide.weight_free, tuned._table_for, r.plans.get(0), r.linear_keyed, bm._tokens, env.raw_env
+    decide.no_such_function, r.no_such_dict.get(0), bm.no_such_helper, env.no_such_switch
+    tuned.NO_SUCH_KNOB = 0
+"""
+    stale = stale_names(source)
+    assert [s.split(":")[0] for s in stale[:3]] == ["import tritonmm.no_such_module", "from tritonmm import routes",
+                                                    "import tritonmm._env"], stale
+    assert stale[3:4] == ["from tritonmm.dispatch.plans import no_such_name"], stale
+    assert sorted(s.split(": ")[1] for s in stale[4:]) == [
+        "bm.no_such_helper", "decide.no_such_function", "env.no_such_switch", "r.no_such_dict",
+        "tritonmm.fusion.no_such_function", "tritonmm.no_such_attribute", "tuned.NO_SUCH_KNOB"], stale

@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
-from tritonmm import api, routes
-from tritonmm._env import raw_env
+from tritonmm import api
 from tritonmm.bench import model as bm
 from tritonmm.bench import per_call
 from tritonmm.bench.timing import sync
+from tritonmm.core.env import raw_env
+from tritonmm.ops import routes
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONFIG = "llama3-8b-2l" if dev.type == "cuda" else "tiny"  # (a dry run on a CPU)

@@ -16,9 +16,9 @@ import time
 import torch
 
 import tritonmm
-from tritonmm import routes
 from tritonmm.bench import model as bm
 from tritonmm.bench.timing import collect_young, gc_paused
+from tritonmm.ops import routes
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = dev.type == "cuda"

@@ -12,8 +12,9 @@ import time
 import torch
 
 import tritonmm
-from tritonmm import first_sight, routes, tuned
 from tritonmm.bench import model as bm
+from tritonmm.dispatch import first_sight, tuned
+from tritonmm.ops import routes
 
 dev = torch.device("cuda")
 model = bm.build_model("llama3-8b-2l", dev, torch.float32).train()

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from tritonmm import gated_tuning
+from tritonmm.dispatch import gated_tuning
 
 dev = torch.device("cuda")
 rows = []

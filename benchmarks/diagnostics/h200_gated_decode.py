@@ -14,8 +14,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tritonmm import first_sight
 from tritonmm.device import num_sms, smem_limit
+from tritonmm.dispatch import first_sight
 from tritonmm.kernels import gated_launchers as gl
 
 GEOMETRIES = [(1, 14336, 4096), (16, 14336, 4096), (1, 5632, 2048), (16, 5632, 2048)]

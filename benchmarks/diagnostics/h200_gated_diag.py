@@ -200,7 +200,8 @@ if "5" in sections:
     import cProfile
     import pstats
 
-    from tritonmm import gated_cublas, gated_grads
+    from tritonmm import gated_cublas
+    from tritonmm.ops import gated_grads
 
     mlp = _mlp(4096, 14336, dev, bf16)
     fused = tritonmm.fuse(copy.deepcopy(mlp))

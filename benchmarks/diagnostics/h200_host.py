@@ -1,7 +1,7 @@
 """Per-call host cost of the entry points and of the Triton route's layers on this host, and a profile
 (printed). Usage, on a GPU: PYTHONPATH=$PWD python3 benchmarks/diagnostics/h200_host.py"""
 import copy, cProfile, pstats, timeit, torch, torch.nn.functional as F, tritonmm
-from tritonmm import routes
+from tritonmm.ops import routes
 from tritonmm.kernels import launchers
 x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
 lin = torch.nn.Linear(2048, 5632, device="cuda", dtype=torch.bfloat16); sw = tritonmm.swap_linear(copy.deepcopy(lin))
@@ -11,13 +11,13 @@ g = dict(F=F, torch=torch, tritonmm=tritonmm, lin=lin, sw=sw, x=x, w=w, b=b, a=a
 def t(s, n=20000):
     r = sorted(timeit.timeit(s, globals=g, number=n) / n * 1e9 for _ in range(9)); return r[4]
 from tritonmm import api
-from tritonmm._env import raw_env
+from tritonmm.core.env import raw_env
 tritonmm.linear(x, w, b); tritonmm.matmul(x, w.t())
 g.update(api=api, raw_env=raw_env, wt=w.t(), plan=routes.plans.get(id(w)))
 print("plan", g["plan"] and g["plan"][0])
-from tritonmm import dispatch, tuned
-print("weight_free fwd+bwd / fwd:", dispatch.weight_free(5632, 2048, w.dtype, w.device),
-      dispatch.weight_free(5632, 2048, w.dtype, w.device, False))
+from tritonmm.dispatch import decide, tuned
+print("weight_free fwd+bwd / fwd:", decide.weight_free(5632, 2048, w.dtype, w.device),
+      decide.weight_free(5632, 2048, w.dtype, w.device, False))
 print("table entries taking a Triton kernel or the padded path:",
       sorted(k for k, e in tuned._table_for(0).items() if e.get("kernel") == "padded" or e.get("backend") == "triton"))
 for s in ["pass", "api._dynamo_compiling()", "api._is_compiling()", "api._plans_get(id(w))", "api._forced()",

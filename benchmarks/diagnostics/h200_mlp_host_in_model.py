@@ -26,6 +26,7 @@ import torch
 
 from tritonmm import gated
 from tritonmm.bench.model import _tokens, build_model, mode
+from tritonmm.ops import gated as gated_op
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (CPU: a smoke test of the script)
 DTYPE = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -43,7 +44,7 @@ def variant(model, **globs):
             setattr(gated, k, v)
         if "GATED_MAX_M" in globs:
             os.environ["TRITONMM_FIRST_SIGHT"] = "0"
-        gated._fast.clear()
+        gated_op._fast.clear()
         try:
             yield
         finally:
@@ -53,7 +54,7 @@ def variant(model, **globs):
                 os.environ.pop("TRITONMM_FIRST_SIGHT", None)
             else:
                 os.environ["TRITONMM_FIRST_SIGHT"] = env
-            gated._fast.clear()
+            gated_op._fast.clear()
 
 
 def instrument(model):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import tritonmm
-from tritonmm import plans
+from tritonmm.dispatch import plans
 
 dev = torch.device("cuda")
 rows = []
