@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tritonmm
-from tritonmm.modules import norm_fold, packing, qkv
+from tritonmm.modules import norm_fold, packing, qkv, qkv_traced
 
 pytestmark = pytest.mark.gpu
 
@@ -77,6 +77,24 @@ def test_decode_and_graph_capture_match_unfused(models, monkeypatch):
     assert len(calls) == 2  # the capture, two layers (not the warm-up)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
+
+def test_compiled_reduce_overhead_runs_one_stacked_gemm_per_layer_and_matches_unfused(models, monkeypatch):
+    from torch._inductor.utils import run_and_get_code
+
+    ref, fused = models
+    monkeypatch.setattr(qkv_traced, "SERVE_COMPILED", True)
+    torch._dynamo.reset()
+    fn = torch.compile(fused, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    ids = torch.randint(0, 1024, (2, 16), device="cuda")
+    with torch.no_grad():
+        want = ref(ids).logits.float()
+        _, code = run_and_get_code(fn, ids)
+        for _ in range(3):  # (recorded, then replayed)
+            got = fn(ids).logits.float()
+    torch._dynamo.reset()
+    assert "".join(code).count("torch.ops.tritonmm.stacked_linear.default(") == 2  # one per layer
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 def test_captured_tells_the_default_stream_side_streams_and_capture_apart():
     """Served only while the tensor's device's current stream captures: not on the default stream (told apart

@@ -1,8 +1,9 @@
 """Diagnostic: where the compiled static-cache decode (``bench --model``'s serving phase: transformers' StaticCache,
 ``torch.compile(mode="reduce-overhead", fullgraph=True)``) spends its GPU time per token, tritonmm off against
-``fuse``: each mode's wall time per token (CUDA events around the 32-token decode, modes alternated), and each
-kernel's GPU time per token from torch.profiler, with the weights' sizes to read the GEMMs' times against the HBM
-bandwidth. The question it answers: which kernels of the decode step ``fuse`` could still make faster.
+``fuse``, and ``fuse`` with q, k and v traced as one GEMM (``qkv_traced.SERVE_COMPILED``): each mode's wall time
+per token (CUDA events around the 32-token decode, modes alternated), and each kernel's GPU time per token from
+torch.profiler, with the weights' sizes to read the GEMMs' times against the HBM bandwidth. The question it
+answers: which kernels of the decode step ``fuse`` could still make faster.
 
     PYTHONPATH=$PWD python3 benchmarks/diagnostics/static_decode_kernels.py [CONFIG] [BATCH...]
     (default llama3-8b-2l 1 16; writes $OUT/static_decode_kernels.json; step static_kernels of h200_run.sh)
@@ -21,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 import tritonmm
 from tritonmm.bench.model import _rewind, _tokens, build_model
 from tritonmm.bench.timing import machine_facts, warm_up_gpu
+from tritonmm.modules import qkv_traced
 
 NEW_TOKENS, PROMPT = 32, 64
 
@@ -52,6 +54,18 @@ def _decoder(model, batch: int, device, fuse: bool):
         return out.logits
 
     return decode
+
+
+def _serving_qkv(fn):
+    """``fn`` run (and so traced) with qkv_traced.SERVE_COMPILED on."""
+
+    def run():
+        qkv_traced.SERVE_COMPILED = True
+        try:
+            return fn()
+        finally:
+            qkv_traced.SERVE_COMPILED = False
+    return run
 
 
 def _wall_ms(fn) -> float:
@@ -90,8 +104,9 @@ def main():
     path = os.path.join(os.environ.get("OUT", "/tmp/out"), "static_decode_kernels.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     for batch in batches:
-        runs = {m: _decoder(copy.deepcopy(model, memo=dict(shared)), batch, device, m == "fuse")
-                for m in ("off", "fuse", "off_again")}
+        runs = {m: _decoder(copy.deepcopy(model, memo=dict(shared)), batch, device, m.startswith("fuse"))
+                for m in ("off", "fuse", "fuse_qkv", "off_again")}
+        runs["fuse_qkv"] = _serving_qkv(runs["fuse_qkv"])
         with torch.no_grad():
             for fn in runs.values():
                 for _ in range(3):
@@ -112,8 +127,10 @@ def main():
                 for k in ks[:14]:
                     print(f"    {k['us']:8.2f} µs {k['calls']:5.2f}x  {k['name'][:110]}", flush=True)
         row["fuse_ratio"] = round(row["off"]["wall_us_per_token"] / row["fuse"]["wall_us_per_token"], 4)
+        row["fuse_qkv_ratio"] = round(row["off"]["wall_us_per_token"] / row["fuse_qkv"]["wall_us_per_token"], 4)
         row["control_ratio"] = round(row["off"]["wall_us_per_token"] / row["off_again"]["wall_us_per_token"], 4)
-        print(f"{batch} seq: off / fuse {row['fuse_ratio']:.3f}, off / off again {row['control_ratio']:.3f}", flush=True)
+        print(f"{batch} seq: off / fuse {row['fuse_ratio']:.3f}, off / fuse_qkv {row['fuse_qkv_ratio']:.3f}, "
+              f"off / off again {row['control_ratio']:.3f}", flush=True)
         out["rows"].append(row)
         with open(path, "w") as f:
             json.dump(out, f, indent=1)

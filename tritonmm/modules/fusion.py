@@ -22,7 +22,8 @@
   through ``append``, ``insert`` or ``del`` to a settled Sequential run unfused until one of those.
 * **Attention projections** (Llama, Mistral, Qwen2, Qwen3): where ``q_proj``, ``k_proj`` and ``v_proj``
   read the attention's hidden states, their packed weights run as one cuBLAS GEMM while a CUDA graph of an
-  inference forward is captured (:mod:`tritonmm.modules.qkv`); with ``pack=False`` attentions are not fused.
+  inference forward is captured (:mod:`tritonmm.modules.qkv`), and in inference forwards ``torch.compile`` traces
+  where :data:`tritonmm.modules.qkv_traced.SERVE_COMPILED` is on; with ``pack=False`` attentions are not fused.
 * **RMSNorms into the GEMMs after them** (while :data:`tritonmm.modules.norm_fold.FOLD` is on, as by default): a
   decoder layer that passes an RMSNorm's output straight to a fused MLP, or to a fused attention (Llama-family
   layers), has the norm computed in the gated kernel's loads, or in the q/k/v GEMM's, in inference calls of up to

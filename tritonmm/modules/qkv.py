@@ -19,7 +19,7 @@ GEMM's output: a column slice of one tensor, as ``torch.split`` returns (so a ``
 columns needs ``.reshape``).
 Gradients are not recorded then, and the projection's parameters are still the ones the GEMM read. Any other
 call computes its own output, and so do calls above :data:`MAX_FLOPS`. Calls with gradients recorded,
-autocast on, under torch.compile, tracing, a torch function or dispatch mode or a functorch transform, on a
+autocast on, traced (torch.compile: :mod:`.qkv_traced`), a torch function or dispatch mode or functorch, on a
 tensor subclass, where a projection's ``forward`` is set on the instance (accelerate's hooks) or its weights
 are not packed, run the three projections as they are; so do calls on inference tensors (under
 ``torch.inference_mode()``: they have no version counter to check the input against). An attention whose
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from ..core import modes
 from ..core.env import interpreting
 from ..dispatch.norm_linear import norm_linear
-from . import norm_fold, packing
+from . import norm_fold, packing, qkv_traced
 from .plain import Stale, any_hooked, linear_type, plain_linear
 
 NAMES = ("q_proj", "k_proj", "v_proj")
@@ -363,6 +363,8 @@ def fused_forward(base: type):
                 served = _serve(self, x, norm)
                 if served is None and norm is not None:
                     args, kwargs = _with_input(args, kwargs, key, norm.normalize(x))
+        elif self._tritonmm_qkv_input[0] is forward and self._tritonmm_qkv_input[1] is not None:
+            return qkv_traced.forward(self, forward, self._tritonmm_qkv_input[1], MAX_FLOPS, args, kwargs)
         if served is None:
             return forward(self, *args, **kwargs)
         completed = False
@@ -387,7 +389,8 @@ def fused_attributes(base: type) -> dict:
         drop(self)
         return out
 
-    return {"forward": fused_forward(base), "_apply": _apply, "_tritonmm_takes_norm": takes_norm(base.forward)}
+    return {"forward": fused_forward(base), "_apply": _apply, "_tritonmm_takes_norm": takes_norm(base.forward),
+            "_tritonmm_qkv_input": (base.forward, input_name(base.forward))}  # (read under torch.compile)
 
 
 def state(module, state):
