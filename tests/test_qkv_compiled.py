@@ -145,3 +145,63 @@ def test_transformers_llama_compiled_fullgraph_traces_one_stacked_gemm_per_layer
         got, want = fn(ids).logits, ref(ids).logits
     assert len(graphs) == 1 and sum("stacked_linear" in t for t in graphs[0]) == 2  # one per layer, no graph break
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+class WritesFirst(Attention):
+    """Writes its input in place before the projections: they read the new values."""
+
+    def forward(self, hidden_states):
+        hidden_states.mul_(2)
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        return self.o_proj(q * torch.cat([k, v], -1))
+
+
+class WritesAlias(Attention):
+    """Writes its input through another name between the projections: k and v read the new values."""
+
+    def forward(self, hidden_states):
+        h = hidden_states
+        q = self.q_proj(hidden_states)
+        h.mul_(2)
+        k, v = self.k_proj(hidden_states), self.v_proj(hidden_states)
+        return self.o_proj(q * torch.cat([k, v], -1))
+
+
+class ProjectsTwice(Attention):
+    """Calls q_proj twice and writes the first output in place: the second is its own tensor."""
+
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        q.mul_(2)
+        q2 = self.q_proj(hidden_states)
+        k, v = self.k_proj(hidden_states), self.v_proj(hidden_states)
+        return self.o_proj((q + q2) * torch.cat([k, v], -1))
+
+
+@pytest.mark.parametrize("cls", [WritesFirst, WritesAlias, ProjectsTwice])
+def test_inputs_written_in_place_and_a_projection_called_twice_get_the_unfused_values(cls):
+    ref, attn = fused_copy(cls)
+    x = randn(3, 32, dtype=torch.float64)
+    fn, graphs = compiled(attn)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x.clone()), ref(x.clone()), rtol=1e-12, atol=1e-12)
+    assert _linears(graphs[-1])[0] == 1
+
+
+def test_swapped_projections_are_traced_as_they_are():
+    import tritonmm
+
+    ref, attn = fused_copy(Attention)
+    tritonmm.swap_linear(attn)
+    x = randn(3, 32, dtype=torch.float64)
+    fn, graphs = compiled(attn)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x), ref(x), rtol=1e-12, atol=1e-12)
+    assert _linears(graphs[-1])[0] == 0  # (their forward calls tritonmm.linear: no GEMM run twice)
+
+
+def test_stacked_linear_0_dim_input_and_no_weights():
+    with pytest.raises(RuntimeError, match="at least 1D"):
+        stacked_linear(randn(()), list(randn(12, 8).split((8, 4))), [])
+    with pytest.raises(ValueError, match="at least one weight"):
+        stacked_linear(randn(3, 8), [], [])

@@ -1,15 +1,16 @@
 """A fused attention's q, k and v projections as one GEMM under ``torch.compile``: while Dynamo traces a fused
-attention's forward (:mod:`tritonmm.modules.qkv`) in an inference call, the first thing traced is
-``tritonmm::stacked_linear`` (:mod:`tritonmm.ops.stacked`) of the forward's input and the three weights, and each
-projection's ``F.linear`` of that input with its own weight and bias returns its column slice of the op's output, as
-``torch.split`` returns; the projections' ``__call__`` and ``forward`` are traced as they are. In a CUDA graph
+attention's forward (:mod:`tritonmm.modules.qkv`) in an inference call, the first projection's ``F.linear`` of the
+forward's input traces ``tritonmm::stacked_linear`` (:mod:`tritonmm.ops.stacked`) of that input and the three weights,
+and each projection's first ``F.linear`` of that input with its own weight and bias, until anything is written in
+place, returns its column slice of the op's output, as ``torch.split`` returns (a ``.view`` that merges rows with
+columns needs ``.reshape``); the projections' ``__call__`` and ``forward`` are traced as they are. In a CUDA graph
 (``mode="reduce-overhead"``) that is one launch and one weight read instead of three, as in a captured eager forward
 (``benchmarks/diagnostics/static_decode_kernels.py`` times the compiled decode).
 
 Traced this way: inference calls (gradients not recorded, autocast off) on a plain tensor of up to
-:data:`tritonmm.modules.qkv.MAX_FLOPS`, where the three projections are plain nn.Linear modules without hooks or an
-instance ``forward`` and with one ``in_features``, and biases on all three or none. Anything else traces the
-projections as they are. On with :data:`SERVE_COMPILED`."""
+:data:`tritonmm.modules.qkv.MAX_FLOPS`, where the three projections are nn.Linear modules running torch's forward
+without hooks or an instance ``forward`` and with one ``in_features``, and biases on all three or none. Anything
+else traces the projections as they are. On with :data:`SERVE_COMPILED`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..ops.stacked import stacked_linear
+from .linear import _original_forward as _torch_forward
 from .plain import any_hooked, linear_type
 
 SERVE_COMPILED = False
@@ -26,22 +28,45 @@ three GEMMs it replaces."""
 _F_linear = F.linear
 
 
-class _Slices(TorchFunctionMode):
-    """For one traced attention forward: a projection's ``F.linear`` of the forward's input with the weight and bias
-    the one GEMM read returns its slice of that GEMM; every other call runs as it is. (A torch function mode, which
-    Dynamo traces, where setting and removing an instance ``forward`` on the projections is not traceable.)"""
+@torch.compiler.assume_constant_result  # (a fact of the function, read while Dynamo traces)
+def _in_place(func) -> bool:
+    """Whether ``func`` is an in-place method or function (``mul_``, ``__setitem__``, ``__iadd__``)."""
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") or name.startswith("__i") or name == "__setitem__"
 
-    def __init__(self, x, outs, weights, biases):
+
+def _mutates(func, kwargs: dict) -> bool:
+    """Whether a call of ``func`` may write a tensor in place: in-place, an ``out=`` or ``inplace=True``."""
+    return _in_place(func) or "out" in kwargs or kwargs.get("inplace") is True
+
+
+class _Slices(TorchFunctionMode):
+    """For one traced attention forward on ``x``: the first projection's ``F.linear`` of ``x`` with its own weight and
+    bias traces the one GEMM (reading ``x`` as it is then), and each projection's first such call returns its slice
+    of it until anything is written in place; every other call runs as it is. (A torch function mode, which Dynamo
+    traces, where setting and removing an instance ``forward`` on the projections is not traceable, and where
+    version counters are not known.)"""
+
+    def __init__(self, x, weights, biases):
         super().__init__()
-        self.x, self.outs, self.weights, self.biases = x, outs, weights, biases
+        self.x, self.weights, self.biases = x, weights, biases
+        self.outs, self.stale = None, False
+        self.served = [False] * len(weights)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _F_linear and len(args) >= 2 and args[0] is self.x:
+        if func is _F_linear and len(args) >= 2 and args[0] is self.x and not self.stale:
             b = args[2] if len(args) > 2 else kwargs.get("bias")
-            for out, w, bias in zip(self.outs, self.weights, self.biases):
-                if args[1] is w and b is bias:
-                    return out
+            for i, (w, bias) in enumerate(zip(self.weights, self.biases)):
+                if args[1] is w and b is bias and not self.served[i]:
+                    if self.outs is None:
+                        ws, bs = self.weights, self.biases
+                        out = stacked_linear(self.x, ws, [] if bs[0] is None else bs)
+                        self.outs = out.split_with_sizes([t.shape[0] for t in ws], -1)
+                    self.served[i] = True
+                    return self.outs[i]
+        elif self.outs is not None and _mutates(func, kwargs):
+            self.stale = True  # (x or a weight may have changed since the GEMM read them)
         return func(*args, **kwargs)
 
 
@@ -53,8 +78,8 @@ def _slices(attention, x, max_flops: int):
         return None
     mods = attention._modules
     projs = mods.get("q_proj"), mods.get("k_proj"), mods.get("v_proj")
-    if not all(linear_type(m) for m in projs) or any_hooked(*projs):
-        return None
+    if not all(type(m).forward is _torch_forward and linear_type(m) for m in projs) or any_hooked(*projs):
+        return None  # (tritonmm's swapped or patched forwards call tritonmm.linear, not F.linear)
     params = [m._parameters for m in projs]
     ws = [p.get("weight") for p in params]
     bs = [p.get("bias") for p in params]
@@ -64,8 +89,7 @@ def _slices(attention, x, max_flops: int):
     rows = sum(w.shape[0] for w in ws)
     if 2 * x.numel() * rows > max_flops:
         return None
-    outs = stacked_linear(x, ws, [] if bs[0] is None else bs).split_with_sizes([w.shape[0] for w in ws], -1)
-    return _Slices(x, outs, ws, bs)
+    return _Slices(x, ws, bs)
 
 
 def forward(attention, base_forward, name: str, max_flops: int, args: tuple, kwargs: dict):

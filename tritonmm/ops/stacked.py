@@ -29,6 +29,8 @@ _lib.define("stacked_linear(Tensor x, Tensor[] weights, Tensor[] biases) -> Tens
 
 
 def _check(weights: List[Tensor], biases: List[Tensor]) -> None:
+    if not weights:
+        raise ValueError("stacked_linear: expected at least one weight")
     if biases and len(biases) != len(weights):
         raise ValueError(f"stacked_linear: {len(weights)} weights but {len(biases)} biases")
 
@@ -37,7 +39,7 @@ def _stacked_linear(x: Tensor, weights: List[Tensor], biases: List[Tensor]) -> T
     _check(weights, biases)
     if _grad_enabled() and (x.requires_grad or any(t.requires_grad for t in (*weights, *biases))):
         return _each(x, weights, biases)  # (the stacked view is detached)
-    w = stacked(weights) if weights else None
+    w = stacked(weights) if x.dim() else None  # (a 0-dim x: F.linear's error)
     b = stacked(biases) if biases and w is not None else None
     if w is None or biases and b is None or w.dtype != x.dtype or w.shape[-1] != x.shape[-1]:
         return _each(x, weights, biases)
