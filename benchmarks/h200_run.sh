@@ -33,8 +33,9 @@
 #           1 x 128), off against fuse: wall time and each kernel's time -> $OUT/replay_kernels.json
 #   norm_prologue  benchmarks/diagnostics/norm_prologue_gemm.py: an RMSNorm folded into the GEMM after it, at decode
 #           sizes, against transformers' norm + cuBLAS, in CUDA graphs -> $OUT/norm_prologue_gemm.json
-#   static_kernels  benchmarks/diagnostics/static_decode_kernels.py: the compiled static-cache decode, off against fuse,
-#           wall time and each kernel's time per token -> $OUT/static_decode_kernels.json
+#   static_kernels  benchmarks/diagnostics/static_decode_kernels.py: the compiled static-cache decode, off against fuse
+#           (also with q/k/v traced as one GEMM, and that with the lm_head swapped), wall time and each kernel's time
+#           per token -> $OUT/static_decode_kernels.json
 #   mlp_parts  benchmarks/diagnostics/mlp_forward_parts.py: a LlamaMLP forward's time alone, back to back, on the host
 #           and per kernel -> $OUT/mlp_forward_parts.json
 set -uo pipefail

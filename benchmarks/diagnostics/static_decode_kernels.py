@@ -1,6 +1,7 @@
 """Diagnostic: where the compiled static-cache decode (``bench --model``'s serving phase: transformers' StaticCache,
 ``torch.compile(mode="reduce-overhead", fullgraph=True)``) spends its GPU time per token, tritonmm off against
-``fuse``, and ``fuse`` with q, k and v traced as one GEMM (``qkv_traced.SERVE_COMPILED``): each mode's wall time
+``fuse``, ``fuse`` with q, k and v traced as one GEMM (``qkv_traced.SERVE_COMPILED``), and that with the lm_head
+swapped (``swap_linear``: tritonmm's dispatch, Triton or cuBLAS, picks its GEMM): each mode's wall time
 per token (CUDA events around the 32-token decode, modes alternated), and each kernel's GPU time per token from
 torch.profiler, with the weights' sizes to read the GEMMs' times against the HBM bandwidth. The question it
 answers: which kernels of the decode step ``fuse`` could still make faster.
@@ -27,7 +28,7 @@ from tritonmm.modules import qkv_traced
 NEW_TOKENS, PROMPT = 32, 64
 
 
-def _decoder(model, batch: int, device, fuse: bool):
+def _decoder(model, batch: int, device, fuse: bool, lm_head: bool = False):
     """A compiled decode of NEW_TOKENS tokens on a StaticCache filled with a PROMPT-token prompt (as the model
     benchmark's static phase builds it)."""
     from transformers import StaticCache
@@ -40,6 +41,8 @@ def _decoder(model, batch: int, device, fuse: bool):
     by_position = "cache_position" in inspect.signature(type(model.model).forward).parameters
     if fuse:
         tritonmm.fuse(model)
+    if lm_head:
+        tritonmm.swap_linear(model.lm_head)
     cache = StaticCache(config=model.config, max_cache_len=PROMPT + NEW_TOKENS)
     with torch.no_grad():
         model(prompt, use_cache=True, **{cache_arg: cache},
@@ -104,9 +107,10 @@ def main():
     path = os.path.join(os.environ.get("OUT", "/tmp/out"), "static_decode_kernels.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     for batch in batches:
-        runs = {m: _decoder(copy.deepcopy(model, memo=dict(shared)), batch, device, m.startswith("fuse"))
-                for m in ("off", "fuse", "fuse_qkv", "off_again")}
-        runs["fuse_qkv"] = _serving_qkv(runs["fuse_qkv"])
+        runs = {m: _decoder(copy.deepcopy(model, memo=dict(shared)), batch, device, m.startswith("fuse"),
+                            m.endswith("lm"))
+                for m in ("off", "fuse", "fuse_qkv", "fuse_qkv_lm", "off_again")}
+        runs["fuse_qkv"], runs["fuse_qkv_lm"] = _serving_qkv(runs["fuse_qkv"]), _serving_qkv(runs["fuse_qkv_lm"])
         with torch.no_grad():
             for fn in runs.values():
                 for _ in range(3):
@@ -127,9 +131,11 @@ def main():
                 for k in ks[:14]:
                     print(f"    {k['us']:8.2f} µs {k['calls']:5.2f}x  {k['name'][:110]}", flush=True)
         row["fuse_ratio"] = round(row["off"]["wall_us_per_token"] / row["fuse"]["wall_us_per_token"], 4)
-        row["fuse_qkv_ratio"] = round(row["off"]["wall_us_per_token"] / row["fuse_qkv"]["wall_us_per_token"], 4)
+        for m in ("fuse_qkv", "fuse_qkv_lm"):
+            row[f"{m}_ratio"] = round(row["off"]["wall_us_per_token"] / row[m]["wall_us_per_token"], 4)
         row["control_ratio"] = round(row["off"]["wall_us_per_token"] / row["off_again"]["wall_us_per_token"], 4)
         print(f"{batch} seq: off / fuse {row['fuse_ratio']:.3f}, off / fuse_qkv {row['fuse_qkv_ratio']:.3f}, "
+              f"off / fuse_qkv_lm {row['fuse_qkv_lm_ratio']:.3f}, "
               f"off / off again {row['control_ratio']:.3f}", flush=True)
         out["rows"].append(row)
         with open(path, "w") as f:
