@@ -28,11 +28,11 @@ three GEMMs it replaces."""
 _F_linear = F.linear
 
 
-@torch.compiler.assume_constant_result  # (a fact of the function, read while Dynamo traces)
 def _in_place(func) -> bool:
-    """Whether ``func`` is an in-place method or function (``mul_``, ``__setitem__``, ``__iadd__``)."""
+    """Whether ``func`` is an in-place method or function (``mul_``, ``__setitem__``, ``__iadd__``). (Slices and
+    compares, not ``str.endswith``, which Dynamo does not trace on a function's name.)"""
     name = getattr(func, "__name__", "")
-    return name.endswith("_") and not name.endswith("__") or name.startswith("__i") or name == "__setitem__"
+    return name[-1:] == "_" and name[-2:] != "__" or name[:3] == "__i" or name == "__setitem__"
 
 
 def _mutates(func, kwargs: dict) -> bool:
