@@ -270,13 +270,18 @@ def test_compiled_fused_attention_matches_fullgraph():
         torch.testing.assert_close(compiled(x), ref(x))
 
 
-def test_transformers_llama_decode_matches_unfused(linear_calls):
+def tiny_llama():
+    """A two-layer transformers Llama in float64 (vocabulary 64), built after seeding 0, and a fused deep copy."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg).double().eval()
-    model = tritonmm.fuse(copy.deepcopy(ref))
+    return ref, tritonmm.fuse(copy.deepcopy(ref))
+
+
+def test_transformers_llama_decode_matches_unfused(linear_calls):
+    ref, model = tiny_llama()
     assert all(is_packed(layer.self_attn) for layer in model.model.layers)
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():

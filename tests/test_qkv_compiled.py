@@ -11,7 +11,7 @@ from tritonmm.core.reference import randn
 from tritonmm.modules import qkv_traced
 from tritonmm.ops.stacked import stacked_linear
 
-from test_qkv import Attention, fused_copy
+from test_qkv import Attention, fused_copy, tiny_llama
 
 pytestmark = pytest.mark.interpreter  # (CPU weights are packed under Triton's interpreter only)
 
@@ -129,16 +129,7 @@ def test_stacked_linear_records_gradients_where_asked():
 
 
 def test_transformers_llama_compiled_fullgraph_traces_one_stacked_gemm_per_layer():
-    transformers = pytest.importorskip("transformers")
-    import copy
-
-    import tritonmm
-
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(cfg).double().eval()
-    model = tritonmm.fuse(copy.deepcopy(ref))
+    ref, model = tiny_llama()
     ids = torch.randint(0, 64, (2, 7))
     fn, graphs = compiled(model)
     with torch.no_grad():
